@@ -1,0 +1,230 @@
+"""Capability model: may this engine replay decode CUDA graphs, and if not, why not.
+
+Capability is data, not a bool: a frozen `DecodeGraphCapability` composed from independent
+`Proof`s, each carrying a `Reason` from a fixed set. Anything unknown or unproven is a deny.
+Per-batch fallbacks use the same `Reason`s, and metrics labels come only from this enum.
+
+Config-time proofs are computed from `ConfigFacts`, a plain description of the engine settings
+that the integration layer fills from a vLLM `VllmConfig` (or, in `moe-graphs doctor`, from
+engine arguments and the model's `config.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+
+
+class Reason(str, enum.Enum):
+    """Why decode graphs run or not. The value is the metrics label and the doctor's word."""
+
+    ELIGIBLE = "eligible"
+    # config time
+    DISABLED_BY_ENV = "disabled_by_env"
+    DISABLED_BY_CONFIG = "disabled_by_config"
+    NO_CUDA = "no_cuda"
+    UNSUPPORTED_ARCHITECTURE = "unsupported_architecture"
+    MLA_LAYOUT_UNSUPPORTED = "mla_layout_unsupported"
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    ENFORCE_EAGER = "enforce_eager"
+    PIPELINE_PARALLEL = "pipeline_parallel"
+    SPECULATIVE_DECODING = "speculative_decoding"
+    LORA = "lora"
+    OFFLOAD_NOT_GRAPH_SAFE = "offload_not_graph_safe"
+    # runtime (storage adapter, runner)
+    STORAGE_UNBOUND = "storage_unbound"
+    STORAGE_IDENTITY_CHANGED = "storage_identity_changed"
+    DEVICE_MISMATCH = "device_mismatch"
+    UNPROVEN = "unproven"
+    # per batch
+    KILL_SWITCH = "kill_switch"
+    MIXED_BATCH = "mixed_batch"
+    BATCH_TOO_LARGE = "batch_too_large"
+    CONTEXT_TOO_LONG = "context_too_long"
+    CAPTURE_FAILED = "capture_failed"
+    MEMORY_BUDGET = "memory_budget"
+
+
+REMEDY: dict[Reason, str] = {
+    Reason.ELIGIBLE: "nothing to do: decode steps replay CUDA graphs",
+    Reason.DISABLED_BY_ENV: "unset MOE_GRAPHS_DISABLE (or set it to 0) to enable the plugin",
+    Reason.DISABLED_BY_CONFIG: 'set "enabled": true in --additional-config \'{"moe_graphs": {...}}\'',
+    Reason.NO_CUDA: "run on an NVIDIA GPU with CUDA; CPU and other platforms run stock vLLM",
+    Reason.UNSUPPORTED_ARCHITECTURE: "only Qwen3ForCausalLM and Qwen3MoeForCausalLM are supported; "
+    "other models run stock vLLM",
+    Reason.MLA_LAYOUT_UNSUPPORTED: "MLA models (DeepSeek V2/V3) use a latent KV layout the plugin "
+    "does not own; they run stock vLLM",
+    Reason.UNSUPPORTED_DTYPE: "use --dtype bfloat16 or float16 and an unquantized KV cache "
+    "(--kv-cache-dtype auto)",
+    Reason.ENFORCE_EAGER: "drop --enforce-eager to allow decode graphs",
+    Reason.PIPELINE_PARALLEL: "use --pipeline-parallel-size 1 (tensor parallelism is supported)",
+    Reason.SPECULATIVE_DECODING: "drop --speculative-config; speculative decoding runs stock vLLM",
+    Reason.LORA: "drop --enable-lora; LoRA runs stock vLLM",
+    Reason.OFFLOAD_NOT_GRAPH_SAFE: "use UVA offload (--cpu-offload-gb N, pinned memory, "
+    "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA unset) or no offload",
+    Reason.STORAGE_UNBOUND: "the KV storage adapter is not bound yet: graphs start after the KV "
+    "cache is allocated; if this persists, report it",
+    Reason.STORAGE_IDENTITY_CHANGED: "the KV cache moved (sleep/wake, reload): graphs are "
+    "recaptured after the next bind; nothing to do",
+    Reason.DEVICE_MISMATCH: "model, KV cache and runner must be on the same GPU",
+    Reason.UNPROVEN: "a safety proof was never supplied; this is a plugin bug, please report it",
+    Reason.KILL_SWITCH: "remove the file named by MOE_GRAPHS_KILL_FILE to resume graph replay",
+    Reason.MIXED_BATCH: "batches that mix prefill and decode always run eager; nothing to do",
+    Reason.BATCH_TOO_LARGE: "raise the largest decode_batch_buckets entry to cover this batch",
+    Reason.CONTEXT_TOO_LONG: "raise the largest context_buckets entry to cover this context",
+    Reason.CAPTURE_FAILED: "see the log for the capture error; the key stays quarantined and runs "
+    "eager",
+    Reason.MEMORY_BUDGET: "raise graph_memory_budget_mib or use fewer buckets",
+}
+assert set(REMEDY) == set(Reason), "every Reason needs a remedy"
+
+SUPPORTED_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+MLA_ARCHITECTURES = frozenset(
+    {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+     "DeepseekForCausalLM", "KimiK2ForCausalLM"}
+)
+SUPPORTED_DTYPES = frozenset({"bfloat16", "float16"})
+GRAPH_SAFE_OFFLOAD = frozenset({"none", "uva"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """One independent safety proof; `reason` is ELIGIBLE when it holds."""
+
+    name: str
+    reason: Reason
+    detail: str = ""
+
+    @property
+    def holds(self) -> bool:
+        return self.reason is Reason.ELIGIBLE
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGraphCapability:
+    """Composition of proofs. Eligible only if every required proof is present and holds."""
+
+    proofs: tuple[Proof, ...]
+    required: frozenset[str] = frozenset()
+
+    @classmethod
+    def compose(cls, proofs: Iterable[Proof], required: Iterable[str] = ()) -> DecodeGraphCapability:
+        proofs = tuple(proofs)
+        names = [p.name for p in proofs]
+        assert len(names) == len(set(names)), f"duplicate proof names {names}"
+        return cls(proofs=proofs, required=frozenset(required))
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        present = {p.name for p in self.proofs}
+        return tuple(sorted(self.required - present))
+
+    @property
+    def eligible(self) -> bool:
+        return bool(self.proofs) and not self.missing and all(p.holds for p in self.proofs)
+
+    @property
+    def reasons(self) -> tuple[Reason, ...]:
+        """Distinct deny reasons in proof order; (ELIGIBLE,) when eligible."""
+        if self.eligible:
+            return (Reason.ELIGIBLE,)
+        out: list[Reason] = [p.reason for p in self.proofs if not p.holds]
+        if self.missing or not self.proofs:
+            out.append(Reason.UNPROVEN)
+        return tuple(dict.fromkeys(out))
+
+    def with_proofs(self, *proofs: Proof) -> DecodeGraphCapability:
+        """A new report with `proofs` added (replacing same-named ones)."""
+        names = {p.name for p in proofs}
+        kept = tuple(p for p in self.proofs if p.name not in names)
+        return DecodeGraphCapability(proofs=kept + tuple(proofs), required=self.required)
+
+    def render(self) -> str:
+        """Human-readable report (used by `moe-graphs doctor` and the start-up log)."""
+        if self.eligible:
+            return f"eligible: {REMEDY[Reason.ELIGIBLE]}"
+        lines = ["not eligible for decode graphs:"]
+        for p in self.proofs:
+            if not p.holds:
+                detail = f" ({p.detail})" if p.detail else ""
+                lines.append(f"  - {p.reason.value}{detail}\n      fix: {REMEDY[p.reason]}")
+        for name in self.missing:
+            lines.append(f"  - {Reason.UNPROVEN.value} (proof {name!r} missing)\n"
+                         f"      fix: {REMEDY[Reason.UNPROVEN]}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFacts:
+    """Engine settings that decide config-time eligibility (no vLLM types)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    has_mla: bool  # latent-KV attention (kv_lora_rank in the model config)
+    dtype: str  # "bfloat16", "float16", "float32", ...
+    kv_cache_dtype: str  # "auto" or e.g. "fp8"
+    is_cuda: bool
+    enforce_eager: bool
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    speculative: bool
+    lora: bool
+    offload: str  # "none", "uva", "uva_disabled" (copy fallback), "prefetch"
+    plugin_enabled: bool = True
+    disabled_by_env: bool = False
+
+
+# Proofs that every runtime report must carry before replay is allowed.
+CONFIG_PROOFS = ("env", "plugin_config", "platform", "architecture", "dtype", "eager",
+                 "parallelism", "speculative", "lora", "offload")
+RUNTIME_PROOFS = ("storage",)
+
+
+def _proof(name: str, ok: bool, reason: Reason, detail: str = "") -> Proof:
+    return Proof(name, Reason.ELIGIBLE if ok else reason, "" if ok else detail)
+
+
+def architecture_proof(facts: ConfigFacts) -> Proof:
+    """MLA is classified before anything else is read; then the exact architecture set."""
+    archs = set(facts.architectures)
+    if facts.has_mla or archs & MLA_ARCHITECTURES or facts.model_type.startswith("deepseek"):
+        return Proof("architecture", Reason.MLA_LAYOUT_UNSUPPORTED,
+                     f"architectures={list(facts.architectures)}")
+    if len(archs) != 1 or not archs <= SUPPORTED_ARCHITECTURES:
+        return Proof("architecture", Reason.UNSUPPORTED_ARCHITECTURE,
+                     f"architectures={list(facts.architectures)}")
+    return Proof("architecture", Reason.ELIGIBLE)
+
+
+def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
+    """The config-time proofs, one per entry of CONFIG_PROOFS."""
+    dtype_ok = facts.dtype in SUPPORTED_DTYPES and facts.kv_cache_dtype == "auto"
+    return (
+        _proof("env", not facts.disabled_by_env, Reason.DISABLED_BY_ENV, "MOE_GRAPHS_DISABLE=1"),
+        _proof("plugin_config", facts.plugin_enabled, Reason.DISABLED_BY_CONFIG,
+               "moe_graphs.enabled=false"),
+        _proof("platform", facts.is_cuda, Reason.NO_CUDA, "current platform is not CUDA"),
+        architecture_proof(facts),
+        _proof("dtype", dtype_ok, Reason.UNSUPPORTED_DTYPE,
+               f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}"),
+        _proof("eager", not facts.enforce_eager, Reason.ENFORCE_EAGER, "--enforce-eager is set"),
+        _proof("parallelism", facts.pipeline_parallel_size == 1, Reason.PIPELINE_PARALLEL,
+               f"pipeline_parallel_size={facts.pipeline_parallel_size}"),
+        _proof("speculative", not facts.speculative, Reason.SPECULATIVE_DECODING,
+               "a speculative config is set"),
+        _proof("lora", not facts.lora, Reason.LORA, "--enable-lora is set"),
+        _proof("offload", facts.offload in GRAPH_SAFE_OFFLOAD, Reason.OFFLOAD_NOT_GRAPH_SAFE,
+               f"offload mode {facts.offload!r}"),
+    )
+
+
+def config_capability(facts: ConfigFacts) -> DecodeGraphCapability:
+    """Report from the config-time proofs (what `moe-graphs doctor` shows)."""
+    return DecodeGraphCapability.compose(config_proofs(facts), required=CONFIG_PROOFS)
+
+
+def runtime_capability(config: DecodeGraphCapability, *runtime: Proof) -> DecodeGraphCapability:
+    """The engine's report: config proofs plus runtime proofs, all of them required."""
+    return DecodeGraphCapability.compose(config.proofs + runtime,
+                                         required=CONFIG_PROOFS + RUNTIME_PROOFS)

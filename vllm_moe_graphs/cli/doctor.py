@@ -1,0 +1,94 @@
+"""`moe-graphs doctor MODEL_OR_CONFIG_DIR [vLLM engine args]`: the capability report.
+
+Runs on any machine (on one without CUDA it reports `no_cuda` plus any other reason). It does
+not build a vLLM engine: it reads the model's config.json and the engine flags that decide
+eligibility.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_moe_graphs import __version__
+from vllm_moe_graphs.capability import DecodeGraphCapability, config_capability
+
+EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _json(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The engine flags that decide eligibility, spelled as `vllm serve` spells them.
+
+    vLLM's own full parser cannot be built on a machine without a GPU platform, so doctor reads
+    these flags itself and lists any other flag as not affecting eligibility."""
+    p = argparse.ArgumentParser(
+        prog="moe-graphs doctor",
+        description="Print the vllm_moe_graphs decode-graph capability report for a model and the "
+        "vLLM engine arguments you would pass to `vllm serve`. Exit 0 when eligible, 1 when "
+        "not, 2 on bad input.")
+    p.add_argument("model_or_config_dir", metavar="MODEL_OR_CONFIG_DIR",
+                   help="a local checkpoint/config directory or a shipped shape "
+                   "(qwen3-0.6b, qwen3-8b, qwen3-30b-a3b)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--speculative-config", "-sc", type=_json, default=None)
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0)
+    p.add_argument("--cpu-offload-params", nargs="*", default=None)
+    p.add_argument("--offload-group-size", type=int, default=0)
+    p.add_argument("--offload-backend", default="auto", choices=["auto", "uva", "prefetch"])
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--additional-config", type=_json, default=None)
+    return p
+
+
+def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
+    """Parse `MODEL [engine args]`; return (model, report, flags doctor did not read)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
+    from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
+
+    args, unread = build_parser().parse_known_args(argv)
+    model = resolve_model(args.model_or_config_dir)
+    hf = read_hf_config(model)
+    kwargs = {k: v for k, v in vars(args).items() if k != "model_or_config_dir" and v is not None}
+    if "cpu_offload_params" in kwargs:
+        kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
+    engine_args = EngineArgs(model=model, **kwargs)
+    PluginConfig.from_additional_config(engine_args.additional_config)  # ValueError if bad
+    return model, config_capability(facts_from_engine_args(engine_args, hf)), unread
+
+
+def main(argv: list[str]) -> int:
+    from vllm_moe_graphs.integration.signatures import vllm_version
+
+    try:
+        model, report, unread = report_for(argv)
+    except ValueError as exc:
+        print(f"moe-graphs doctor: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"moe-graphs doctor (vllm_moe_graphs {__version__}, vLLM {vllm_version()})")
+    print(f"model: {model}")
+    if unread:
+        print(f"not read (do not affect eligibility): {' '.join(unread)}")
+    print(report.render())
+    if report.eligible:
+        print("runtime proofs (KV storage bound, one owner, same device, per-layer KV write) are "
+              "checked when the engine starts; see moe_graphs_capability on /metrics")
+    return EXIT_ELIGIBLE if report.eligible else EXIT_NOT_ELIGIBLE

@@ -1,0 +1,130 @@
+"""Plugin configuration: `--additional-config '{"moe_graphs": {...}}'` -> `PluginConfig`.
+
+Validated at engine start, before the model loads. Every error is a `ValueError` that names the
+key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+CONFIG_KEY = "moe_graphs"
+
+
+class CaptureFailurePolicy(str, enum.Enum):
+    """What a failed graph capture does."""
+
+    QUARANTINE = "quarantine"  # never capture that key again; the engine keeps serving eagerly
+    RAISE = "raise"  # fail the step (for debugging only)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginConfig:
+    """Frozen plugin settings. Defaults are documented in docs/serving.md."""
+
+    enabled: bool = True
+    # Decode batch sizes that get their own graph; a batch pads up to the next bucket.
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    # Longest context (tokens) a graph is planned for; a batch picks the smallest bucket that
+    # holds its longest sequence. Past the last bucket the batch runs eager (`context_too_long`).
+    context_buckets: tuple[int, ...] = (2048, 8192, 32768, 131072)
+    # Eager steps a (batch, context) key runs before it is captured lazily.
+    warmup_steps: int = 2
+    # Upper bound of the shared graph memory pool; a capture past it is denied (`memory_budget`).
+    graph_memory_budget_mib: int = 2048
+    capture_failure_policy: CaptureFailurePolicy = CaptureFailurePolicy.QUARANTINE
+    # Capture every bucket at start-up instead of lazily.
+    precapture: bool = False
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
+        """Read `additional_config["moe_graphs"]` (absent -> defaults)."""
+        section = (additional_config or {}).get(CONFIG_KEY)
+        if section is None:
+            return cls()
+        return cls.from_dict(section)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PluginConfig:
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"additional_config[{CONFIG_KEY!r}] must be a JSON object, got "
+                f"{type(raw).__name__} {raw!r}; e.g. "
+                f'--additional-config \'{{"{CONFIG_KEY}": {{"graph_memory_budget_mib": 1024}}}}\''
+            )
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in allowed:
+                raise ValueError(
+                    f"unknown key {CONFIG_KEY}.{key} (value {value!r}); allowed keys: "
+                    f"{', '.join(allowed)}"
+                )
+            values[key] = _PARSERS[key](key, value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["decode_batch_buckets"] = list(self.decode_batch_buckets)
+        out["context_buckets"] = list(self.context_buckets)
+        out["capture_failure_policy"] = self.capture_failure_policy.value
+        return out
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_KEY}.{key}={value!r} must be true or false")
+    return value
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{CONFIG_KEY}.{key}={value!r} must be an integer >= {minimum}, "
+            f"got {type(value).__name__}"
+        )
+    if value < minimum:
+        raise ValueError(f"{CONFIG_KEY}.{key}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def _buckets(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{CONFIG_KEY}.{key}={value!r} must be a non-empty list of positive integers "
+            f"in strictly increasing order, e.g. [1, 2, 4, 8]"
+        )
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
+            raise ValueError(
+                f"{CONFIG_KEY}.{key}={value!r}: entry {item!r} is not a positive integer; "
+                f"allowed: positive integers in strictly increasing order"
+            )
+    if any(b <= a for a, b in zip(value, value[1:])):
+        raise ValueError(
+            f"{CONFIG_KEY}.{key}={value!r} is not sorted in strictly increasing order; "
+            f"use {sorted(set(value))!r}"
+        )
+    return tuple(value)
+
+
+def _policy(key: str, value: Any) -> CaptureFailurePolicy:
+    accepted = [p.value for p in CaptureFailurePolicy]
+    if value not in accepted:
+        raise ValueError(f"{CONFIG_KEY}.{key}={value!r} must be one of {accepted}")
+    return CaptureFailurePolicy(value)
+
+
+_PARSERS = {
+    "enabled": _bool,
+    "decode_batch_buckets": _buckets,
+    "context_buckets": _buckets,
+    "warmup_steps": lambda k, v: _int(k, v, 0),
+    "graph_memory_budget_mib": lambda k, v: _int(k, v, 0),
+    "capture_failure_policy": _policy,
+    "precapture": _bool,
+}
+assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

@@ -1,0 +1,97 @@
+"""Every environment variable of vllm_moe_graphs, in one place.
+
+Each entry is a lazy parser: reading `envs.MOE_GRAPHS_DISABLE` parses the current value and raises
+`ValueError` naming the variable, the bad value and the accepted values. `validate_all()` parses
+them all; the plugin calls it at start-up so a typo fails fast instead of being ignored.
+
+Names never start with `VLLM_`: vLLM validates that prefix and rejects unknown names.
+Nothing else in the package calls `os.getenv`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+_TRUE = ("1", "true")
+_FALSE = ("0", "false", "")
+
+
+def _parse_bool(name: str) -> bool:
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a valid value; accepted: 1, true, 0, false "
+        f"(case-insensitive) or unset. Example: {name}=1"
+    )
+
+
+def _parse_kill_file(name: str) -> str | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    path = os.path.abspath(os.path.expanduser(raw))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"{name}={raw!r} is not a valid value; accepted: a file path whose directory "
+            f"exists (the file itself is created by the operator to switch graphs off). "
+            f"Directory {parent!r} does not exist: create it or choose another path."
+        )
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{name}={raw!r} is not a valid value; it names a directory, accepted: a file "
+            f"path, e.g. {os.path.join(path, 'moe_graphs.kill')!r}"
+        )
+    return path
+
+
+def _parse_dir(name: str) -> str | None:
+    raw = os.environ.get(name)
+    return raw or None
+
+
+# name -> parser. Documented in docs/serving.md and README.md.
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Full rollback: when true the plugin registers nothing and patches nothing, so vLLM builds the
+    # exact engine config it would build without the plugin installed.
+    "MOE_GRAPHS_DISABLE": lambda: _parse_bool("MOE_GRAPHS_DISABLE"),
+    # Runtime kill switch: while this file exists every decode batch runs eager (captured graphs
+    # are kept); remove the file and replay resumes. Checked at most every ~100 ms.
+    "MOE_GRAPHS_KILL_FILE": lambda: _parse_kill_file("MOE_GRAPHS_KILL_FILE"),
+    # Internal: the metrics directory created by the root process (the API server or the process
+    # that built the LLM) and inherited by engine and worker processes. Set by the plugin itself;
+    # operators leave it alone.
+    "MOE_GRAPHS_METRICS_DIR": lambda: _parse_dir("MOE_GRAPHS_METRICS_DIR"),
+}
+
+
+def validate_all() -> dict[str, Any]:
+    """Parse every variable; raise `ValueError` on the first invalid one."""
+    return {name: parse() for name, parse in environment_variables.items()}
+
+
+def set_internal(name: str, value: str) -> None:
+    """Export an internal variable so that child processes inherit it."""
+    assert name == "MOE_GRAPHS_METRICS_DIR", f"{name} is not an internal variable"
+    os.environ[name] = value
+
+
+def get_raw(name: str) -> str | None:
+    """The raw string of a variable this package reads but does not own (e.g. Prometheus')."""
+    return os.environ.get(name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,26 @@
+"""Every monkeypatch of vLLM, one file per patched symbol.
+
+| file | patched symbol | why | removal condition |
+|---|---|---|---|
+| platform_config.py | `<current platform>.check_and_update_config` | validate `additional_config["moe_graphs"]` and compute the config-time capability in process 0, before any engine process starts or the model loads | vLLM offers a config-validation hook for general plugins |
+| worker_base_init.py | `vllm.v1.worker.worker_base.WorkerBase.__init__` | record capability and info metrics in every worker process (also where the plugin does not take over, e.g. CPU), with the rank; runs after plugins load in that process | vLLM offers a per-worker plugin hook |
+
+Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
+signature of what it wraps first, and calls the original unchanged.
+"""
+
+from __future__ import annotations
+
+PATCHED_ATTR = "__moe_graphs_patched__"
+
+
+def apply_all() -> list[str]:
+    """Apply every patch; return the names of what was patched now."""
+    from vllm_moe_graphs.integration.patch import platform_config, worker_base_init
+
+    applied = []
+    for module in (platform_config, worker_base_init):
+        name = module.apply()
+        if name:
+            applied.append(name)
+    return applied

@@ -1,0 +1,169 @@
+"""Prometheus metrics of vllm_moe_graphs (names `moe_graphs_*`).
+
+Metrics are *recorded* in the process that runs the model (the EngineCore / worker processes of
+`vllm serve`) and *published* by the API server's own `/metrics`; `metrics_transport` moves them
+across processes through Prometheus' multiprocess files. This module owns the metric objects:
+fixed names, help strings, and bounded labels (`reason` comes only from `capability.Reason`,
+`mode` only from `Mode`, `rank` is the worker's rank in its TP group).
+
+The hot path calls plain methods (`replay()`, `fallback(reason)`) after a step, never inside a
+captured region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+from collections.abc import Iterator
+
+from prometheus_client import Counter, Gauge, Histogram, values
+
+from vllm_moe_graphs import __version__, envs
+from vllm_moe_graphs.capability import DecodeGraphCapability, Reason
+
+PREFIX = "moe_graphs_"
+
+
+class Mode(str, enum.Enum):
+    """Label of `moe_graphs_info`: what the plugin does in this engine."""
+
+    GRAPHS = "graphs"  # capability proven at config time: decode graphs may replay
+    STOCK = "stock"  # plugin loaded, but the capability report denies graphs: stock vLLM runs
+    DISABLED = "disabled"  # disabled by configuration
+
+
+# name -> help; the single list of what we export (docs/serving.md mirrors it).
+METRICS: dict[str, str] = {
+    "moe_graphs_info": "vllm_moe_graphs version and mode (value 1 for the current mode)",
+    "moe_graphs_capability": "1 for each reason in the current capability report "
+    "(reason=eligible when decode graphs may replay), 0 otherwise",
+    "moe_graphs_replays_total": "decode steps replayed from a CUDA graph",
+    "moe_graphs_eager_fallbacks_total": "decode steps run eager, by reason",
+    "moe_graphs_captures_total": "CUDA graphs captured",
+    "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined)",
+    "moe_graphs_capture_seconds": "time to capture one CUDA graph",
+    "moe_graphs_pool_bytes": "bytes held by the shared CUDA graph memory pool",
+    "moe_graphs_scratch_bytes": "bytes of static input/output and scratch buffers used by graphs",
+}
+
+_CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# One multiprocess value class per process (its files are named by pid; two instances in one
+# process would map the same file twice).
+_value_class_by_pid: dict[int, type] = {}
+
+
+@contextlib.contextmanager
+def _file_backed_values(directory: str | None) -> Iterator[None]:
+    """Create metrics inside this block so their values live in `directory`'s mmap files.
+
+    If prometheus_client is already in multiprocess mode in this process (vLLM set
+    PROMETHEUS_MULTIPROC_DIR before it was imported), its own value class is reused. Otherwise
+    our own `MultiProcessValue` class is swapped in for the duration of the block only, so vLLM's
+    metrics in this process are left as they were. With no directory, values stay in memory.
+    """
+    if directory is None or getattr(values.ValueClass, "_multiprocess", False):
+        yield
+        return
+    pid = os.getpid()
+    cls = _value_class_by_pid.setdefault(pid, values.MultiProcessValue())
+    saved_cls, saved_dir = values.ValueClass, os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    values.ValueClass = cls
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # read by the value class at creation
+    try:
+        yield
+    finally:
+        values.ValueClass = saved_cls
+        if saved_dir is None:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_dir
+
+
+def metrics_directory() -> str | None:
+    """Where this process' metrics must be written: vLLM's multiprocess directory when vLLM
+    runs several API servers (it collects that one), else the plugin's own."""
+    return envs.get_raw("PROMETHEUS_MULTIPROC_DIR") or envs.MOE_GRAPHS_METRICS_DIR
+
+
+class MetricsRecorder:
+    """The plugin's metrics in one process. Every label child is created up front (labels are
+    bounded), so nothing is allocated on the hot path and every series exists from the start."""
+
+    def __init__(self, rank: int = 0, directory: str | None = None) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank={rank!r} must be an integer >= 0")
+        self.rank = rank
+        self.directory = directory
+        r = str(rank)
+        with _file_backed_values(directory):
+            # registry=None: these objects are never registered in this process; the root
+            # process publishes them from the files (see metrics_transport).
+            self._info = Gauge("moe_graphs_info", METRICS["moe_graphs_info"],
+                               ["version", "mode"], registry=None, multiprocess_mode="max")
+            self._info_children = {m: self._info.labels(__version__, m.value) for m in Mode}
+            self._capability = Gauge("moe_graphs_capability", METRICS["moe_graphs_capability"],
+                                     ["reason"], registry=None, multiprocess_mode="max")
+            self._capability_children = {x: self._capability.labels(x.value) for x in Reason}
+            self._replays = Counter("moe_graphs_replays", METRICS["moe_graphs_replays_total"],
+                                    ["rank"], registry=None).labels(r)
+            fallbacks = Counter("moe_graphs_eager_fallbacks",
+                                METRICS["moe_graphs_eager_fallbacks_total"], ["reason", "rank"],
+                                registry=None)
+            self._fallbacks = {x: fallbacks.labels(x.value, r) for x in Reason}
+            self._captures = Counter("moe_graphs_captures", METRICS["moe_graphs_captures_total"],
+                                     ["rank"], registry=None).labels(r)
+            self._capture_failures = Counter(
+                "moe_graphs_capture_failures", METRICS["moe_graphs_capture_failures_total"],
+                ["rank"], registry=None).labels(r)
+            self._capture_seconds = Histogram(
+                "moe_graphs_capture_seconds", METRICS["moe_graphs_capture_seconds"], ["rank"],
+                registry=None, buckets=_CAPTURE_BUCKETS).labels(r)
+            self._pool_bytes = Gauge("moe_graphs_pool_bytes", METRICS["moe_graphs_pool_bytes"],
+                                     ["rank"], registry=None, multiprocess_mode="max").labels(r)
+            self._scratch_bytes = Gauge(
+                "moe_graphs_scratch_bytes", METRICS["moe_graphs_scratch_bytes"], ["rank"],
+                registry=None, multiprocess_mode="max").labels(r)
+
+    # -- recording ---------------------------------------------------------------------------
+    def set_mode(self, mode: Mode) -> None:
+        mode = Mode(mode)
+        for m, child in self._info_children.items():
+            child.set(1 if m is mode else 0)
+
+    def set_capability(self, report: DecodeGraphCapability) -> None:
+        current = set(report.reasons)
+        for reason, child in self._capability_children.items():
+            child.set(1 if reason in current else 0)
+
+    def replay(self, n: int = 1) -> None:
+        self._replays.inc(n)
+
+    def fallback(self, reason: Reason, n: int = 1) -> None:
+        if not isinstance(reason, Reason):
+            raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
+        self._fallbacks[reason].inc(n)
+
+    def capture(self, seconds: float) -> None:
+        self._captures.inc()
+        self._capture_seconds.observe(seconds)
+
+    def capture_failure(self) -> None:
+        self._capture_failures.inc()
+
+    def set_memory(self, pool_bytes: int, scratch_bytes: int) -> None:
+        self._pool_bytes.set(pool_bytes)
+        self._scratch_bytes.set(scratch_bytes)
+
+
+_recorder_by_pid: dict[int, MetricsRecorder] = {}
+
+
+def recorder(rank: int = 0) -> MetricsRecorder:
+    """This process' recorder (created on first use, after any fork, with the right files)."""
+    pid = os.getpid()
+    rec = _recorder_by_pid.get(pid)
+    if rec is None:
+        rec = _recorder_by_pid[pid] = MetricsRecorder(rank, metrics_directory())
+    return rec

@@ -1,0 +1,42 @@
+"""The vLLM entry point (`vllm.general_plugins` -> `moe_graphs`).
+
+vLLM calls `register()` in every process it starts (API server, EngineCore, workers). It is
+idempotent, imports nothing heavy at module import, never initialises CUDA, and logs one line
+saying what it wired in. With `MOE_GRAPHS_DISABLE=1` it registers and patches nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm.moe_graphs")
+
+_registered_pids: set[int] = set()
+
+
+def register() -> None:
+    from vllm_moe_graphs import __version__, envs
+
+    pid = os.getpid()
+    if pid in _registered_pids:
+        return
+    envs.validate_all()  # a bad MOE_GRAPHS_* value fails start-up here, naming the value
+    _registered_pids.add(pid)
+    from vllm_moe_graphs.integration.hooks import process_role
+
+    role = process_role()
+    if envs.MOE_GRAPHS_DISABLE:
+        logger.info("moe_graphs %s: MOE_GRAPHS_DISABLE=1, nothing registered in process %s "
+                    "(pid %d): stock vLLM", __version__, role, pid)
+        return
+
+    from vllm_moe_graphs import metrics_transport
+    from vllm_moe_graphs.integration.patch import apply_all
+
+    wired = apply_all()
+    if metrics_transport.is_root_process():
+        metrics_transport.setup_root()
+        wired.append("metrics collector on /metrics")
+    logger.info("moe_graphs %s: registered in process %s (pid %d): %s", __version__, role, pid,
+                ", ".join(wired) or "already patched")
