@@ -49,9 +49,9 @@ METRICS: dict[str, str] = {
 
 _CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# One multiprocess value class per process (its files are named by pid; two instances in one
-# process would map the same file twice).
-_value_class_by_pid: dict[int, type] = {}
+# One multiprocess value class per (process, directory): its files are named by pid, and two
+# instances in one process over one directory would map the same file twice.
+_value_class_by_key: dict[tuple[int, str], type] = {}
 
 
 @contextlib.contextmanager
@@ -66,8 +66,7 @@ def _file_backed_values(directory: str | None) -> Iterator[None]:
     if directory is None or getattr(values.ValueClass, "_multiprocess", False):
         yield
         return
-    pid = os.getpid()
-    cls = _value_class_by_pid.setdefault(pid, values.MultiProcessValue())
+    cls = _value_class_by_key.setdefault((os.getpid(), directory), values.MultiProcessValue())
     saved_cls, saved_dir = values.ValueClass, os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     values.ValueClass = cls
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # read by the value class at creation

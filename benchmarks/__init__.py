@@ -1,0 +1,1 @@
+"""Benchmarks for vllm_moe_graphs: `python -m benchmarks.decode --help`."""

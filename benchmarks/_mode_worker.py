@@ -1,0 +1,425 @@
+"""Run one model x one mode of the decode benchmark in this process.
+
+    python -m benchmarks._mode_worker SPEC.json             # measure (needs a GPU)
+    python -m benchmarks._mode_worker SPEC.json --validate  # check the kwargs against vLLM (CPU)
+
+Started by `benchmarks.decode`, one process per mode, so modes never share an engine, a CUDA
+context or compile state. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+we attach a handler to vLLM's logger and drive `llm.llm_engine.step()` ourselves, timing every
+step. TPOT samples are the gaps between consecutive steps in which every one of the B requests
+got exactly one new token and all of them had finished prefill before: decode-only steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import logging
+import math
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.protocol import (
+    SLACK_STEPS,
+    WorkerResult,
+    WorkerSpec,
+    result_to_json,
+    spec_from_json,
+    write_json_atomic,
+)
+
+CAPTURE_MSG = "Graph capturing finished in %.0f secs, took %.2f GiB"  # vLLM 0.26, V1 and V2
+CAPTURE_RE = re.compile(r"Graph capturing finished in (\S+) secs, took (\S+) GiB")
+INIT_MSG_PREFIX = "init engine (profile, create kv cache, warmup model) took"
+MAX_CONSECUTIVE_FAILURES = 2
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+class VllmLogTap(logging.Handler):
+    """Reads vLLM's own start-up records: graph capture time and memory, engine init time.
+
+    The numbers come from the record's args (full precision); the printed message rounds the
+    capture time to whole seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.capture_s: float | None = None
+        self.graph_mem_gib: float | None = None
+        self.captures = 0
+        self.init_engine_s: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.msg if isinstance(record.msg, str) else ""
+            if msg.startswith("Graph capturing finished"):
+                secs, gib = _capture_numbers(record)
+                self.capture_s = (self.capture_s or 0.0) + secs
+                self.graph_mem_gib = (self.graph_mem_gib or 0.0) + gib
+                self.captures += 1
+            elif msg.startswith(INIT_MSG_PREFIX) and record.args:
+                self.init_engine_s = float(record.args[0])  # type: ignore[index]
+        except Exception:  # noqa: BLE001 - a log tap must never break the engine
+            pass
+
+
+def _capture_numbers(record: logging.LogRecord) -> tuple[float, float]:
+    args = record.args
+    if isinstance(args, tuple) and len(args) == 2:
+        return float(args[0]), float(args[1])
+    match = CAPTURE_RE.search(record.getMessage())
+    if match is None:
+        raise ValueError(f"unexpected capture log line: {record.getMessage()!r}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def format_error(exc: BaseException, limit: int = 2500) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    head = f"{type(exc).__name__}: {exc}"
+    tail = tb[-limit:]
+    return head if head in tail else f"{head}\n...{tail}"
+
+
+def check_config_dicts(llm_kwargs: dict[str, Any]) -> None:
+    """Every key of the nested config dicts must be an init field of vLLM's config class."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.config.compilation import CompilationConfig
+    from vllm.config.utils import is_init_field
+
+    for key, cls in (("compilation_config", CompilationConfig), ("attention_config", AttentionConfig)):
+        for field in llm_kwargs.get(key) or {}:
+            try:
+                ok = is_init_field(cls, field)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{key}.{field} is not a settable field of vLLM {cls.__name__}")
+
+
+def validate(spec: WorkerSpec) -> dict[str, Any]:
+    """CPU check: vLLM 0.26 accepts every kwarg and every config key of this mode."""
+    os.environ.update(spec.env)
+    from vllm.engine.arg_utils import EngineArgs
+
+    check_config_dicts(spec.llm_kwargs)
+    args = EngineArgs(**spec.llm_kwargs)
+    cc, ac = args.compilation_config, args.attention_config
+    return {
+        "mode": spec.mode,
+        "enforce_eager": args.enforce_eager,
+        "compilation_mode": getattr(cc.mode, "name", str(cc.mode)),
+        "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
+        "attention_backend": getattr(ac.backend, "name", str(ac.backend)),
+        "load_format": args.load_format,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+    }
+
+
+def _get(obj: Any, path: str) -> Any:
+    """`obj.a.b.c`, None where a link is missing; enum members become their names."""
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj.name if isinstance(obj, enum.Enum) else obj
+
+
+def describe_engine(llm: Any) -> tuple[dict[str, Any], str | None, float | None]:
+    """The configuration vLLM actually runs with, after its own resolution at start-up."""
+    engine = llm.llm_engine
+    vc = engine.vllm_config
+    resolved = {
+        "compilation_mode": _get(vc, "compilation_config.mode"),
+        "cudagraph_mode": _get(vc, "compilation_config.cudagraph_mode"),
+        "cudagraph_capture_sizes": list(vc.compilation_config.cudagraph_capture_sizes or []),
+        "attention_backend": _get(vc, "attention_config.backend"),
+        "enforce_eager": _get(vc, "model_config.enforce_eager"),
+        "max_model_len": _get(vc, "model_config.max_model_len"),
+        "num_hidden_layers": _get(vc, "model_config.hf_config.num_hidden_layers"),
+        "max_num_seqs": _get(vc, "scheduler_config.max_num_seqs"),
+        "max_num_batched_tokens": _get(vc, "scheduler_config.max_num_batched_tokens"),
+        "async_scheduling": _get(vc, "scheduler_config.async_scheduling"),
+        "num_gpu_blocks": _get(vc, "cache_config.num_gpu_blocks"),
+        "block_size": _get(vc, "cache_config.block_size"),
+        "enable_prefix_caching": _get(vc, "cache_config.enable_prefix_caching"),
+        "use_v2_model_runner": getattr(vc, "use_v2_model_runner", None),
+        "worker_cls": _get(vc, "parallel_config.worker_cls"),
+    }
+    runner_obj = _get(engine, "model_executor.driver_worker.worker.model_runner")  # in-process
+    runner = None if runner_obj is None else f"{type(runner_obj).__module__}.{type(runner_obj).__qualname__}"
+    compile_s = getattr(vc.compilation_config, "compilation_time", None)
+    return resolved, runner, (float(compile_s) if compile_s else None)
+
+
+def decode_intervals(chains: list[list[float]]) -> list[float]:
+    """Gaps (ms) between consecutive decode-only step returns, chain by chain."""
+    out: list[float] = []
+    for chain in chains:
+        out += [(b - a) * 1e3 for a, b in zip(chain, chain[1:])]
+    return out
+
+
+def run_point(
+    llm: Any, spec: WorkerSpec, batch: int, context: int, tag: str, rng: random.Random,
+    resolved: dict[str, Any], make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+) -> tuple[list[float], float]:
+    """One repeat of one (batch, context) point: returns (decode step ms, prefill seconds)."""
+    engine = llm.llm_engine
+    mbt = int(resolved.get("max_num_batched_tokens") or 8192)
+    prefill_steps = math.ceil(batch * context / max(1, mbt - batch)) + 1
+    wanted = spec.warmup_steps + spec.decode_tokens
+    room = int(resolved.get("max_model_len") or 0) - context
+    max_tokens = min(wanted + prefill_steps + SLACK_STEPS, room)
+    if max_tokens < wanted + 2:
+        raise ValueError(f"max_model_len leaves {room} new tokens at context {context}; need {wanted + 2}")
+    blocks, block = resolved.get("num_gpu_blocks"), resolved.get("block_size")
+    if blocks and block:
+        need = batch * math.ceil((context + max_tokens) / block) * block
+        if need > blocks * block:
+            raise RuntimeError(
+                f"KV cache holds {blocks * block} tokens, batch {batch} x {context + max_tokens} needs "
+                f"{need}: the batch would not run concurrently (raise --gpu-memory-utilization or "
+                f"lower --num-layers)"
+            )
+    params = make_params(max_tokens)
+    prompts = [make_prompt([rng.randrange(spec.vocab_size) for _ in range(context)]) for _ in range(batch)]
+    engine_inputs = llm._preprocess_cmpl(prompts)  # what LLM.generate does with token prompts
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    counts = dict.fromkeys(ids, 0)
+    chains: list[list[float]] = [[]]
+    t_start, t_ready = time.perf_counter(), None
+    try:
+        for rid, engine_input in zip(ids, engine_inputs):
+            engine.add_request(rid, engine_input, params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            if not outputs:
+                continue
+            was_ready = t_ready is not None
+            new: dict[str, int] = {}
+            finished = False
+            for out in outputs:
+                n = sum(len(c.token_ids) for c in out.outputs)
+                new[out.request_id] = new.get(out.request_id, 0) + n
+                finished = finished or out.finished
+            for rid, n in new.items():
+                counts[rid] = counts.get(rid, 0) + n
+            decode_only = (was_ready and not finished and len(new) == batch
+                           and all(n == 1 for n in new.values()))
+            if decode_only:
+                chains[-1].append(now)
+            elif chains[-1]:
+                chains.append([])
+            if t_ready is None and all(c >= 1 for c in counts.values()):
+                t_ready = now
+    finally:
+        if engine.has_unfinished_requests():
+            engine.abort_request(ids)
+    steps = decode_intervals(chains)[spec.warmup_steps:][: spec.decode_tokens]
+    if len(steps) < max(1, spec.decode_tokens // 2):
+        raise RuntimeError(
+            f"only {len(steps)} decode-only steps at batch {batch} context {context} (wanted "
+            f"{spec.decode_tokens}); tokens per request: {sorted(set(counts.values()))}"
+        )
+    prefill_s = (t_ready or time.perf_counter()) - t_start
+    return steps, prefill_s
+
+
+def measure_bandwidth(torch: Any) -> float | None:
+    """HBM bandwidth in GB/s: median of 10 timed device-to-device copies, 2 * bytes / time."""
+    for nbytes in (1 << 30, 1 << 28):
+        try:
+            src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+        except RuntimeError:  # torch.OutOfMemoryError is a RuntimeError
+            torch.cuda.empty_cache()
+            continue
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (statistics.median(times) / 1e3) / 1e9
+    return None
+
+
+def run(spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_cpu: bool = False) -> None:
+    os.environ.update(spec.env)  # before vLLM reads its environment
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not allow_cpu:
+        raise RuntimeError("CUDA is not available in the mode worker (torch.cuda.is_available() "
+                           "is False): run the benchmark on a machine with an NVIDIA GPU")
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    result.import_s = time.perf_counter() - t0
+    try:
+        import triton
+
+        triton_version = str(triton.__version__)
+    except Exception:  # noqa: BLE001 - only a version string
+        triton_version = "unknown"
+
+    result.versions = {
+        "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "python": sys.version.split()[0],
+    }
+    tap = VllmLogTap()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(tap)
+    if vllm_logger.getEffectiveLevel() > logging.INFO:
+        vllm_logger.setLevel(logging.INFO)  # the capture record is INFO
+    check_config_dicts(spec.llm_kwargs)
+    say(f"{spec.model} {spec.mode}: starting vllm.LLM")
+    t0 = time.perf_counter()
+    llm = LLM(**spec.llm_kwargs)
+    result.startup_s = time.perf_counter() - t0
+    result.versions["gpu"] = torch.cuda.get_device_name(0) if on_gpu else "cpu"  # after vLLM's CUDA init
+    result.capture_s = tap.capture_s
+    result.graph_mem_mib = None if tap.graph_mem_gib is None else tap.graph_mem_gib * 1024
+    result.resolved, result.runner, result.compile_s = describe_engine(llm)
+    result.resolved["init_engine_s"] = tap.init_engine_s
+    result.resolved["capture_records"] = tap.captures
+    result.status = "running"
+    save()
+    say(f"{spec.model} {spec.mode}: ready in {result.startup_s:.1f} s (capture "
+        f"{_fmt(result.capture_s)} s, graphs {_fmt(result.graph_mem_mib)} MiB, runner "
+        f"{result.runner}, cudagraph_mode {result.resolved['cudagraph_mode']})")
+
+    def make_params(max_tokens: int) -> Any:
+        # NOTE: no min_tokens: it adds a per-step logits processor; ignore_eos is enough.
+        return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    def make_prompt(ids: list[int]) -> Any:
+        return TokensPrompt(prompt_token_ids=ids)
+
+    measure_points(llm, spec, result, save, make_params, make_prompt)
+    result.bandwidth_gbps = measure_bandwidth(torch) if on_gpu else None
+    say(f"{spec.model} {spec.mode}: copy bandwidth {_fmt(result.bandwidth_gbps)} GB/s")
+
+
+def measure_points(
+    llm: Any, spec: WorkerSpec, result: WorkerResult, save: Callable[[], None],
+    make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+) -> None:
+    rng = random.Random(spec.seed)
+    durations: dict[tuple[int, int], float] = {}
+    skipped: dict[tuple[int, int], int] = {}
+    failures_in_row = 0
+    for rep in range(spec.repeats):
+        for batch, context in spec.points():
+            point = result.point(batch, context)
+            if point.error is not None:
+                continue
+            # A started engine measures at least one point if the run's end allows: its start-up
+            # time is already spent. Then repeat 1 keeps to its deadline, repeats 2.. to theirs.
+            deadline = (spec.hard_deadline if not durations else spec.first_pass_deadline
+                        if rep == 0 else spec.soft_deadline)
+            est = durations.get((batch, context)) or max([5.0, *(2 * d for d in durations.values())])
+            if deadline is not None and time.time() + est > deadline:
+                skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
+                continue
+            t0 = time.perf_counter()
+            tag = f"r{rep}b{batch}c{context}"
+            try:
+                steps, prefill_s = run_point(llm, spec, batch, context, tag, rng, result.resolved,
+                                             make_params, make_prompt)
+            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                point.error = format_error(exc)
+                failures_in_row += 1
+                say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
+                save()
+                if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
+                    raise RuntimeError(f"{failures_in_row} points failed in a row; "
+                                       f"giving up on mode {spec.mode}") from exc
+                continue
+            failures_in_row = 0
+            durations[(batch, context)] = time.perf_counter() - t0
+            point.step_ms += [round(s, 4) for s in steps]
+            point.repeat_p50_ms.append(round(statistics.median(steps), 4))
+            point.prefill_s.append(round(prefill_s, 3))
+            point.repeats_done += 1
+            save()
+            say(f"{spec.model} {spec.mode} rep {rep + 1}/{spec.repeats} b={batch} c={context}: "
+                f"p50 {statistics.median(steps):.3f} ms over {len(steps)} steps, prefill "
+                f"{prefill_s:.2f} s, point {durations[(batch, context)]:.1f} s")
+    result.skipped = [
+        {"batch": b, "context": c, "repeats_skipped": n, "reason": "time budget"}
+        for (b, c), n in sorted(skipped.items())
+    ]
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks._mode_worker", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="WorkerSpec JSON written by benchmarks.decode")
+    ap.add_argument("--validate", action="store_true",
+                    help="only check the vLLM kwargs with EngineArgs (no GPU, no engine)")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="harness self-test only: run on vLLM's CPU platform (no bandwidth, no graphs)")
+    args = ap.parse_args(argv)
+    with open(args.spec) as f:
+        spec = spec_from_json(json.load(f))
+    if args.validate:
+        print(json.dumps(validate(spec)), flush=True)
+        return 0
+    result = WorkerResult(model=spec.model, mode=spec.mode)
+
+    def save() -> None:
+        write_json_atomic(spec.result_path, result_to_json(result))
+
+    save()
+    t0 = time.perf_counter()
+    try:
+        run(spec, result, save, allow_cpu=args.allow_cpu)
+        done = [p for p in result.points if p.repeats_done]
+        errors = [p for p in result.points if p.error]
+        result.status = "failed" if errors and not done else "ok"
+        if result.status == "failed":
+            result.error = "no point measured: " + "; ".join(
+                f"b{p.batch}/c{p.context}: {(p.error or '').splitlines()[0]}" for p in errors)
+    except BaseException as exc:  # noqa: BLE001 - everything, OOM included, goes to the result
+        result.status = "failed"
+        result.error = format_error(exc)
+        say(f"{spec.model} {spec.mode}: FAILED {type(exc).__name__}: {exc}")
+    result.wall_s = time.perf_counter() - t0
+    save()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: engine shutdown hooks can hang and results are saved
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# benchmarks/gpu/run.sh -- the decode benchmark on the lent H200, inside one device call.
+#
+#   bash benchmarks/gpu/run.sh [benchmarks.decode args...]
+#
+# Run from the repository root with the vLLM bundle carried (device call: carry [".gpu"]).
+# Installs the bundle (shared/gpu/README.md recipe), installs this project, runs the GPU test tier
+# (`pytest -m gpu`; "no tests collected" is fine), then `python3 -m benchmarks.decode` with
+# --results-dir $OUT --log-dir /tmp/... --time-budget-s <what is left> and your arguments (yours
+# come last, so they win). Everything stays under RUN_GUARD_S seconds (default 555, under the
+# 9.5-minute mark of a 10-minute call). At most 8 files come back from $OUT; this writes:
+#   $OUT/run.txt              everything printed (this script, pytest, benchmark)
+#   $OUT/pytest.txt           the GPU test tier
+#   $OUT/<name>.json, .png    the benchmark result and plot (name from --name, default "decode")
+#   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
+#   $OUT/nvidia-smi.txt       the GPU at the end
+# Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1.
+set -uo pipefail
+T0=$(date +%s)
+GUARD_S=${RUN_GUARD_S:-555}
+PYTEST_GUARD_S=${PYTEST_GUARD_S:-120}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.txt") 2>&1
+left() { echo $((GUARD_S - ($(date +%s) - T0))); }
+say() { echo "[run.sh +$(($(date +%s) - T0))s] $*"; }
+
+say "repo $PWD, output $OUT, guard ${GUARD_S}s"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+if [ ! -f .gpu/install.sh ]; then
+  say "ERROR: .gpu/install.sh missing: make the bundle (shared/gpu/README.md) and carry .gpu"
+  exit 3
+fi
+eval "$(bash .gpu/install.sh install)" || { say "ERROR: bundle install failed"; exit 3; }
+if python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >/dev/null 2>&1; then
+  say "project installed (editable); plugin entry point registered"
+else
+  say "pip install -e . failed: using PYTHONPATH=$PWD (plugin entry point not registered)"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 - <<'PY' || { echo "[run.sh] ERROR: vLLM bundle not importable"; exit 3; }
+import torch, vllm, triton
+print(f"[run.sh] vllm {vllm.__version__} torch {torch.__version__} triton {triton.__version__} "
+      f"cuda_available {torch.cuda.is_available()}", flush=True)
+PY
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
+
+if [ "${SKIP_PYTEST:-0}" != 1 ]; then
+  say "GPU test tier: pytest -m gpu (guard ${PYTEST_GUARD_S}s)"
+  timeout --kill-after=5 "$PYTEST_GUARD_S" python3 -m pytest -m gpu -q 2>&1 | tee "$OUT/pytest.txt"
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) say "pytest -m gpu: passed" ;;
+    5) say "pytest -m gpu: no tests collected (fine)" ;;
+    124|137) say "pytest -m gpu: TIMED OUT after ${PYTEST_GUARD_S}s" ;;
+    *) say "pytest -m gpu: FAILED (exit $rc); going on with the benchmark" ;;
+  esac
+fi
+
+LOGDIR=$(mktemp -d /tmp/decode-bench-XXXX)
+BUDGET=$(( $(left) - 25 ))   # kept back: tar, nvidia-smi, tee
+if [ "$BUDGET" -lt 60 ]; then
+  say "ERROR: only ${BUDGET}s left for the benchmark; raise RUN_GUARD_S or skip pytest (SKIP_PYTEST=1)"
+  exit 4
+fi
+say "benchmark: budget ${BUDGET}s, args: $*"
+timeout --kill-after=10 "$((BUDGET + 10))" python3 -m benchmarks.decode \
+  --results-dir "$OUT" --log-dir "$LOGDIR" --time-budget-s "$BUDGET" "$@"
+bench_rc=$?
+[ $bench_rc -eq 124 ] || [ $bench_rc -eq 137 ] && say "benchmark hit the shell timeout"
+
+tar -czf "$OUT/worker-logs.tar.gz" -C "$LOGDIR" . 2>/dev/null || say "could not pack $LOGDIR"
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+say "benchmark exit $bench_rc; files in $OUT:"
+ls -la "$OUT"
+say "JSON/PNG: $OUT/<name>.json|png; vLLM logs: $OUT/worker-logs.tar.gz (log-<model>-<mode>.txt)"
+exit $bench_rc

@@ -1,0 +1,175 @@
+"""The modes compared by `benchmarks.decode`, and the `vllm.LLM` keyword arguments of each.
+
+Every mode shares the same engine settings (`common_llm_kwargs`): dummy weights, no tokenizer,
+TRITON_ATTN, one max_num_seqs and max_model_len, no prefix caching, one seed. A mode only adds
+what makes it that mode. Stock modes run with `VLLM_PLUGINS=` (empty), so no installed plugin,
+ours included, touches them.
+
+Plugin modes are enabled by the plugin package itself: they are available once
+`vllm_moe_graphs` exposes `benchmark_llm_kwargs(mode: str) -> dict` (the feature flag: it
+exists only when the decode-graph runner does). The dict holds the extra `vllm.LLM` kwargs of
+that mode (e.g. `additional_config`, `compilation_config`) and must be JSON-serialisable; raising
+`NotImplementedError("why")` reports the mode absent with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+PLUGIN_PACKAGE = "vllm_moe_graphs"
+PLUGIN_HOOK = "benchmark_llm_kwargs"
+ATTENTION_BACKEND = "TRITON_ATTN"  # FlashAttention is not in the GPU bundle
+
+
+class Family(str, enum.Enum):
+    STOCK = "stock"
+    PLUGIN = "plugin"
+
+
+class AbsentReason(str, enum.Enum):
+    NOT_IMPLEMENTED = "not implemented yet"
+    NOT_IMPORTABLE = "plugin package not importable"
+    DECLINED = "plugin declined the mode"
+    BAD_HOOK = "plugin hook returned an unusable value"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Availability:
+    ok: bool
+    reason: AbsentReason | None = None
+    detail: str = ""
+
+    def text(self) -> str:
+        if self.ok:
+            return "available"
+        assert self.reason is not None, "an unavailable mode needs a reason"
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    family: Family
+    graphs: bool  # does the mode decode through CUDA graphs?
+    description: str
+    extra_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    startup_estimate_s: float = 60.0  # rough, for --time-budget-s planning only
+
+    def available(self) -> Availability:
+        if self.family is Family.STOCK:
+            return Availability(ok=True)
+        return _plugin_kwargs(self.name)[0]
+
+    def llm_kwargs(self, common: Mapping[str, Any]) -> dict[str, Any]:
+        """`common` plus this mode's kwargs; nested config dicts are merged key by key."""
+        if self.family is Family.STOCK:
+            extra: Mapping[str, Any] = self.extra_kwargs
+        else:
+            availability, hook_kwargs = _plugin_kwargs(self.name)
+            if not availability.ok or hook_kwargs is None:
+                raise NotImplementedError(f"mode {self.name} is absent: {availability.text()}")
+            extra = hook_kwargs
+        return merge_kwargs(common, extra)
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment of this mode's worker process (set before vLLM is imported)."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine in-process: we drive its steps
+        if self.family is Family.STOCK:
+            env["VLLM_PLUGINS"] = ""  # load no general plugin: stock means stock
+        return env
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("stock_eager", Family.STOCK, False,
+             "vLLM with enforce_eager=True: no torch.compile, no CUDA graphs",
+             {"enforce_eager": True}, startup_estimate_s=35.0),
+        Mode("stock_graphs", Family.STOCK, True,
+             "vLLM 0.26 default: torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_AND_PIECEWISE",
+             {}, startup_estimate_s=90.0),
+        Mode("stock_full_decode", Family.STOCK, True,
+             "torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_DECODE_ONLY",
+             {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+             startup_estimate_s=80.0),
+        Mode("stock_full_decode_nc", Family.STOCK, True,
+             "no torch.compile (compilation mode NONE) + cudagraph_mode FULL_DECODE_ONLY",
+             {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}},
+             startup_estimate_s=35.0),
+        Mode("plugin_eager", Family.PLUGIN, False,
+             "vllm_moe_graphs loaded, its decode graphs off (kwargs from the plugin's hook)",
+             startup_estimate_s=35.0),
+        Mode("plugin_graphs", Family.PLUGIN, True,
+             "vllm_moe_graphs decode CUDA graphs (kwargs from the plugin's hook)",
+             startup_estimate_s=45.0),
+    )
+}
+STOCK_GRAPH_MODES = tuple(n for n, m in MODES.items() if m.family is Family.STOCK and m.graphs)
+EAGER_MODES = tuple(n for n, m in MODES.items() if not m.graphs)
+GRAPH_MODES = tuple(n for n, m in MODES.items() if m.graphs)
+
+
+def parse_modes(names: list[str]) -> list[Mode]:
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
+    return [MODES[n] for n in dict.fromkeys(names)]
+
+
+def common_llm_kwargs(
+    *, config_dir: str, max_num_seqs: int, max_model_len: int,
+    gpu_memory_utilization: float, seed: int,
+) -> dict[str, Any]:
+    """The `vllm.LLM` kwargs every mode shares."""
+    return {
+        "model": config_dir,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": seed,
+        "tensor_parallel_size": 1,
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "attention_config": {"backend": ATTENTION_BACKEND},
+    }
+
+
+def merge_kwargs(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _plugin_kwargs(mode: str) -> tuple[Availability, dict[str, Any] | None]:
+    """Ask the plugin package for `mode`'s kwargs; never invents them."""
+    try:
+        pkg = importlib.import_module(PLUGIN_PACKAGE)
+    except Exception as exc:  # noqa: BLE001 - any import failure makes the mode absent
+        return Availability(False, AbsentReason.NOT_IMPORTABLE, f"{type(exc).__name__}: {exc}"), None
+    hook = getattr(pkg, PLUGIN_HOOK, None)
+    if not callable(hook):
+        detail = f"{PLUGIN_PACKAGE}.{PLUGIN_HOOK}() does not exist yet"
+        return Availability(False, AbsentReason.NOT_IMPLEMENTED, detail), None
+    try:
+        kwargs = hook(mode)
+    except NotImplementedError as exc:
+        return Availability(False, AbsentReason.DECLINED, str(exc) or "NotImplementedError"), None
+    if not isinstance(kwargs, Mapping):
+        detail = f"{PLUGIN_HOOK}({mode!r}) returned {type(kwargs).__name__}, expected a dict"
+        return Availability(False, AbsentReason.BAD_HOOK, detail), None
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as exc:
+        return Availability(False, AbsentReason.BAD_HOOK, f"not JSON-serialisable: {exc}"), None
+    return Availability(True), dict(kwargs)

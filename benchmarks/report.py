@@ -1,0 +1,239 @@
+"""Turn worker results into the benchmark JSON: rows, ratios, merge, and the printed table.
+
+Ratio keys are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`, value
+tpot_p50(A) / tpot_p50(B), so a value above 1 means B is faster. At every (model, batch, context)
+point that has measurements, with "best stock graph mode" = the stock graph mode with the lowest
+tpot_p50 there:
+  1. every other stock mode over the best stock graph mode;
+  2. every eager mode (stock_eager, plugin_eager) over every graph mode;
+  3. every stock mode over plugin_graphs, when plugin_graphs was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.modes import EAGER_MODES, GRAPH_MODES, MODES, STOCK_GRAPH_MODES, Family
+from benchmarks.protocol import SCHEMA, WorkerResult, write_json_atomic
+from benchmarks.shapes import ModelShape, decode_step_bytes, floor_ms
+
+NOISY_SPREAD = 0.2  # (p90 - p10) / p50 above this marks a row noisy
+RATIO_RULES = __doc__.split("\n\n", 1)[1].strip()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclasses.dataclass(slots=True)
+class Row:
+    model: str
+    batch: int
+    context: int
+    mode: str
+    tpot_ms_p50: float
+    tpot_ms_p10: float
+    tpot_ms_p90: float
+    startup_s: float | None
+    capture_s: float | None
+    graph_mem_mib: float | None
+    floor_ms: float | None
+    pct_of_floor: float | None  # 100 * floor_ms / tpot_ms_p50: 100 = at the bandwidth limit
+    floor_bytes: int
+    num_layers: int
+    steps: int  # decode steps behind the percentiles (all repeats)
+    repeats: int
+    repeat_p50_ms: list[float]
+    noisy: bool
+    compile_s: float | None = None
+    runner: str | None = None
+    cudagraph_mode: str | None = None
+    compilation_mode: str | None = None
+
+
+def build_rows(
+    result: WorkerResult, shape: ModelShape, bandwidth_gbps: float | None
+) -> list[Row]:
+    rows = []
+    for p in sorted(result.points, key=lambda p: (p.batch, p.context)):
+        if not p.step_ms:
+            continue
+        p50, p10, p90 = (percentile(p.step_ms, q) for q in (50, 10, 90))
+        nbytes = decode_step_bytes(shape, p.batch, p.context).total
+        fl = floor_ms(nbytes, bandwidth_gbps)
+        rows.append(Row(
+            model=result.model, batch=p.batch, context=p.context, mode=result.mode,
+            tpot_ms_p50=round(p50, 4), tpot_ms_p10=round(p10, 4), tpot_ms_p90=round(p90, 4),
+            startup_s=_r(result.startup_s, 2), capture_s=_r(result.capture_s, 2),
+            graph_mem_mib=_r(result.graph_mem_mib, 1),
+            floor_ms=_r(fl, 4), pct_of_floor=None if fl is None else round(100 * fl / p50, 2),
+            floor_bytes=nbytes, num_layers=shape.num_layers, steps=len(p.step_ms),
+            repeats=p.repeats_done, repeat_p50_ms=list(p.repeat_p50_ms),
+            noisy=(p90 - p10) / p50 > NOISY_SPREAD if p50 > 0 else True,
+            compile_s=_r(result.compile_s, 2), runner=result.runner,
+            cudagraph_mode=_str(result.resolved.get("cudagraph_mode")),
+            compilation_mode=_str(result.resolved.get("compilation_mode")),
+        ))
+    return rows
+
+
+def _r(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def ratio_key(mode_a: str, mode_b: str, model: str, batch: int, context: int) -> str:
+    return f"tpot_{mode_a}_over_{mode_b}/{model}/b{batch}/c{context}"
+
+
+def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The ratio set described in this module's docstring, from rows as dicts."""
+    points: dict[tuple[str, int, int], dict[str, float]] = {}
+    for row in rows:
+        points.setdefault((row["model"], row["batch"], row["context"]), {})[row["mode"]] = row["tpot_ms_p50"]
+    ratios: dict[str, float] = {}
+
+    def put(a: str, b: str, at: tuple[str, int, int], tpot: dict[str, float]) -> None:
+        if a != b and a in tpot and b in tpot and tpot[b] > 0:
+            ratios[ratio_key(a, b, *at)] = round(tpot[a] / tpot[b], 4)
+
+    stock = [m for m, mode in MODES.items() if mode.family is Family.STOCK]
+    for at, tpot in sorted(points.items()):
+        graphs = [m for m in STOCK_GRAPH_MODES if m in tpot]
+        if graphs:
+            best = min(graphs, key=lambda m: tpot[m])
+            for mode in stock:
+                put(mode, best, at, tpot)
+        for eager in EAGER_MODES:
+            for graph in GRAPH_MODES:
+                put(eager, graph, at, tpot)
+        for mode in stock:
+            put(mode, "plugin_graphs", at, tpot)
+    return ratios
+
+
+def assemble(
+    name: str, env: dict[str, Any], rows: list[dict[str, Any]], absent: dict[str, str],
+    failures: list[dict[str, Any]], skipped: list[dict[str, Any]],
+) -> dict[str, Any]:
+    rows = sorted(rows, key=lambda r: (r["model"], r["batch"], r["context"], _mode_order(r["mode"])))
+    measured = {r["mode"] for r in rows}
+    return {
+        "schema": SCHEMA,
+        "name": name,
+        "env": env,
+        "rows": rows,
+        "absent": {m: why for m, why in absent.items() if m not in measured},
+        "ratios": compute_ratios(rows),
+        "failures": failures,
+        "skipped": skipped,
+        "modes": {m: mode.description for m, mode in MODES.items()},
+        "ratio_rules": RATIO_RULES,
+    }
+
+
+def _mode_order(mode: str) -> int:
+    names = list(MODES)
+    return names.index(mode) if mode in names else len(names)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    return data
+
+
+def merge(docs: Sequence[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any]:
+    """Merge benchmark JSONs: rows by (model, batch, context, mode), a later file winning."""
+    if not docs:
+        raise ValueError("merge needs at least one input file")
+    by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
+    absent: dict[str, str] = {}
+    failures: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    layers: dict[str, int] = {}
+    for source, doc in docs:
+        for row in doc["rows"]:
+            by_key[(row["model"], row["batch"], row["context"], row["mode"])] = row
+        absent.update(doc.get("absent", {}))
+        failures += [{**f, "source": source} for f in doc.get("failures", [])]
+        skipped += [{**s, "source": source} for s in doc.get("skipped", [])]
+        layers.update(doc.get("env", {}).get("layers", {}))
+    envs = [doc.get("env", {}) for _, doc in docs]
+    shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+    env = {**shared, "layers": layers, "merged_from": [s for s, _ in docs],
+           "sources": [{"file": s, "env": e} for (s, _), e in zip(docs, envs)]}
+    return assemble(name, env, list(by_key.values()), absent, failures, skipped)
+
+
+def write(doc: dict[str, Any], results_dir: Path) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{doc['name']}.json"
+    write_json_atomic(path, doc)
+    return path
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    head = (f"{'model':<14}{'b':>4}{'ctx':>6}  {'mode':<21}{'p50 ms':>8} {'p10-p90 ms':>15} "
+            f"{'floor':>7}{'%floor':>7}{'start s':>8}{'capt s':>7}{'graph MiB':>10}")
+    lines = [head, "-" * len(head)]
+    for r in doc["rows"]:
+        spread = f"{r['tpot_ms_p10']:.2f}-{r['tpot_ms_p90']:.2f}" + ("*" if r.get("noisy") else " ")
+        lines.append(
+            f"{r['model']:<14}{r['batch']:>4}{r['context']:>6}  {r['mode']:<21}"
+            f"{r['tpot_ms_p50']:>8.3f} {spread:>15} {_f(r['floor_ms'], '7.3f'):>7}"
+            f"{_f(r['pct_of_floor'], '6.1f'):>7}{_f(r['startup_s'], '8.1f'):>8}"
+            f"{_f(r['capture_s'], '7.1f'):>7}{_f(r['graph_mem_mib'], '10.0f'):>10}"
+        )
+    if not doc["rows"]:
+        lines.append("(no rows measured)")
+    lines.append("* = noisy: (p90 - p10) / p50 > "
+                 f"{NOISY_SPREAD:g}; %floor = 100 * floor / p50 (100 = at the HBM limit)")
+    for mode, why in doc.get("absent", {}).items():
+        lines.append(f"absent  {mode}: {why}")
+    for f in doc.get("failures", []):
+        first = (f.get("error") or "").splitlines()[0] if f.get("error") else ""
+        where = f"{f['model']} {f['mode']}" + (f" b{f['batch']}/c{f['context']}" if "batch" in f else "")
+        lines.append(f"failed  {where}: {first[:160]}")
+    if doc.get("skipped"):
+        lines.append(f"skipped {len(doc['skipped'])} item(s) for lack of time (see 'skipped' in the JSON)")
+    return "\n".join(lines)
+
+
+def format_ratio_summary(doc: dict[str, Any]) -> str:
+    """Per point: the best stock graph mode, and every other mode's tpot_p50 over it."""
+    points: dict[tuple[str, int, int], dict[str, float]] = {}
+    for r in doc["rows"]:
+        points.setdefault((r["model"], r["batch"], r["context"]), {})[r["mode"]] = r["tpot_ms_p50"]
+    lines = []
+    for (model, batch, context), tpot in sorted(points.items()):
+        graphs = [m for m in STOCK_GRAPH_MODES if m in tpot]
+        if not graphs:
+            continue
+        best = min(graphs, key=lambda m: tpot[m])
+        others = ", ".join(f"{m} x{tpot[m] / tpot[best]:.2f}" for m in sorted(tpot, key=_mode_order)
+                           if m != best)
+        lines.append(f"{model} b{batch} c{context}: best stock graphs {best} "
+                     f"{tpot[best]:.3f} ms; {others or 'nothing else measured'}")
+    return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny local checkpoints and the CPU build of vLLM for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CPU_VLLM = REPO / ".cpu-vllm"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    from tests.tiny_models import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3")))
+
+
+@pytest.fixture(scope="session")
+def cpu_vllm() -> str:
+    """Path of the CPU vLLM overlay (`scripts/setup.sh` installs it). CI must have it: there a
+    missing overlay fails the test instead of skipping it."""
+    if not (CPU_VLLM / ".overlay-done").is_file():
+        msg = f"CPU vLLM overlay missing at {CPU_VLLM}: run scripts/setup.sh"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return str(CPU_VLLM)

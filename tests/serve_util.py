@@ -1,0 +1,86 @@
+"""Start and stop a real `vllm serve` (CPU build) for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def post_json(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def cpu_env(cpu_vllm: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("MOE_GRAPHS_DISABLE", None)
+    env.pop("MOE_GRAPHS_METRICS_DIR", None)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop("TRITON_INTERPRET", None)  # set by the kernel tests; vLLM runs stock here
+    env.update(PYTHONPATH=cpu_vllm, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, cpu_vllm: str, log_path: str, args: tuple[str, ...] = (),
+               env_extra: dict[str, str] | None = None,
+               start_timeout: float = 420) -> Iterator[str]:
+    """Yield the base URL of a running server; its output goes to `log_path`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port",
+           str(port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "256",
+           "--dtype", "bfloat16", *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=cpu_env(cpu_vllm, **(env_extra or {})), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n"
+                                   f"{tail(log_path)}")
+            with contextlib.suppress(OSError):
+                if get(base + "/health", timeout=2) is not None:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not ready after {start_timeout} s:\n"
+                                   f"{tail(log_path)}")
+            time.sleep(1)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+def tail(path: str, n: int = 60) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])

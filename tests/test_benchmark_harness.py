@@ -1,0 +1,378 @@
+"""CPU tests of the decode benchmark harness (benchmarks/): no GPU, no vLLM engine start."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import _mode_worker as worker
+from benchmarks import decode, report
+from benchmarks.modes import MODES, AbsentReason, Family
+from benchmarks.protocol import PointResult, WorkerResult, WorkerSpec
+from benchmarks.shapes import (
+    MODELS, ModelShape, decode_step_bytes, floor_ms, prepare_config_dir, read_config,
+    shipped_config_dir,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "benchmarks.decode", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def _shape(name: str) -> ModelShape:
+    return ModelShape.from_config(read_config(shipped_config_dir(name)))
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+def test_help_lists_every_option() -> None:
+    out = _cli("--help")
+    assert out.returncode == 0, out.stderr
+    options = [s for a in decode.run_parser()._actions for s in a.option_strings if s.startswith("--")]
+    assert len(options) >= 17, options
+    for opt in options:
+        assert opt in out.stdout, f"{opt} missing from --help"
+    assert "merge" in out.stdout
+    merge_help = _cli("merge", "--help")
+    assert merge_help.returncode == 0, merge_help.stderr
+    for a in decode.merge_parser()._actions:
+        for opt in a.option_strings:
+            assert opt in merge_help.stdout
+
+
+def test_no_gpu_fails_fast_with_message() -> None:
+    t0 = time.monotonic()
+    out = _cli("--models", "qwen3-0.6b", "--results-dir", "/nonexistent-should-not-be-made",
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert time.monotonic() - t0 < 10
+    assert out.returncode == decode.EXIT_NO_GPU
+    assert "needs an NVIDIA GPU" in out.stderr
+    assert "CUDA_VISIBLE_DEVICES" in out.stderr
+    assert not Path("/nonexistent-should-not-be-made").exists()
+
+
+@pytest.mark.skipif(decode.gpu_problem() is None, reason="this machine has a GPU")
+def test_no_gpu_detected_on_this_machine() -> None:
+    out = _cli("--models", "qwen3-0.6b")
+    assert out.returncode == decode.EXIT_NO_GPU
+    assert "no NVIDIA GPU found" in out.stderr
+
+
+def test_bad_option_is_a_usage_error() -> None:
+    out = _cli("--models", "qwen3-70b", "--dry-run")
+    assert out.returncode == decode.EXIT_USAGE
+    assert "unknown model" in out.stderr
+
+
+def test_dry_run_plan(tmp_path: Path) -> None:
+    out = _cli("--dry-run", "--models", "qwen3-0.6b,qwen3-30b-a3b", "--num-layers", "6",
+               "--batches", "8,1", "--contexts", "512", "--log-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["layers"] == {"qwen3-0.6b": 6, "qwen3-30b-a3b": 6}
+    workers = plan["workers"]
+    stock = [m for m, mode in MODES.items() if mode.family is Family.STOCK]
+    assert [w["mode"] for w in workers] == stock * 2
+    lens = {w["llm_kwargs"]["max_model_len"] for w in workers}
+    assert len(lens) == 1 and lens.pop() >= 512 + 128 + 4
+    for w in workers:
+        kw = w["llm_kwargs"]
+        assert kw["max_num_seqs"] == 8 and kw["load_format"] == "dummy"
+        assert kw["skip_tokenizer_init"] is True and kw["enable_prefix_caching"] is False
+        assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
+        assert kw["gpu_memory_utilization"] == 0.85 and kw["seed"] == 0
+        assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+        assert read_config(kw["model"])["num_hidden_layers"] == 6
+    by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:4]}
+    assert by_mode["stock_eager"]["enforce_eager"] is True
+    assert "compilation_config" not in by_mode["stock_graphs"]
+    assert by_mode["stock_full_decode"]["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert by_mode["stock_full_decode_nc"]["compilation_config"] == {
+        "mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_moe_graphs") is not None
+                    and hasattr(__import__("vllm_moe_graphs"), "benchmark_llm_kwargs"),
+                    reason="the plugin hook exists now")
+def test_plugin_modes_absent_until_the_hook_exists() -> None:
+    for name in ("plugin_eager", "plugin_graphs"):
+        availability = MODES[name].available()
+        assert not availability.ok
+        assert availability.reason in (AbsentReason.NOT_IMPLEMENTED, AbsentReason.NOT_IMPORTABLE)
+        assert availability.text().startswith(availability.reason.value)
+        with pytest.raises(NotImplementedError):
+            MODES[name].llm_kwargs({})
+
+
+# --- floor byte model -----------------------------------------------------------------------
+
+def test_floor_bytes_qwen3_0_6b() -> None:
+    # Hand check, b1 c512. Per layer: q 1024*2048 + k,v 2*1024*1024 + o 2048*1024 = 6,291,456;
+    # norms 2*128 + 2*1024 = 2,304; MLP 3*1024*3072 = 9,437,184 -> 15,730,944 * 28 layers
+    # = 440,466,432; + final norm 1,024 + LM head 151,936*1,024 = 155,582,464 + 1 embedding row
+    # 1,024 = 596,050,944 params * 2 bytes = 1,192,101,888. KV: 28*2*8*128*2 = 114,688 B/token
+    # * 512 = 58,720,256.
+    step = decode_step_bytes(_shape("qwen3-0.6b"), 1, 512)
+    assert step.weights == 1_192_101_888
+    assert step.kv == 58_720_256
+    assert step.total == 1_250_822_144
+    assert step.experts_touched == 0
+    assert decode_step_bytes(_shape("qwen3-0.6b"), 64, 4096).kv == 64 * 4096 * 114_688
+
+
+def test_floor_bytes_qwen3_8b() -> None:
+    shape = _shape("qwen3-8b")
+    assert shape.kv_bytes_per_token() == 36 * 2 * 8 * 128 * 2
+    per_layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 2 * 128 + 2 * 4096 + 3 * 4096 * 12288
+    params = 36 * per_layer + 4096 + 151936 * 4096 + 4096
+    assert decode_step_bytes(shape, 1, 0).weights == 2 * params == 15_136_819_200
+
+
+def test_floor_bytes_qwen3_30b_a3b_counts_touchable_experts() -> None:
+    shape = _shape("qwen3-30b-a3b")
+    # b1: top-8 of 128 experts. Per layer: attention 18,874,368 + norms 4,352 + router 262,144
+    # + 8 experts * 3*2048*768 = 37,748,736 -> 56,889,600 * 48 = 2,730,700,800; + 2,048 + LM head
+    # 311,164,928 + 2,048 = 3,041,869,824 params (the "A3B") -> 6,083,739,648 bytes.
+    b1 = decode_step_bytes(shape, 1, 512)
+    assert b1.experts_touched == 8
+    assert b1.weights == 6_083_739_648
+    assert b1.kv == 512 * 48 * 2 * 4 * 128 * 2
+    expert = 3 * 2048 * 768 * 2 * 48  # bytes of one expert slot over all layers
+    b8 = decode_step_bytes(shape, 8, 512)
+    assert b8.experts_touched == 64
+    assert b8.weights - b1.weights == 56 * expert + 7 * 2048 * 2
+    b32, b64 = decode_step_bytes(shape, 32, 512), decode_step_bytes(shape, 64, 512)
+    assert b32.experts_touched == b64.experts_touched == 128  # saturated: every expert is read
+    assert b64.weights - b32.weights == 32 * 2048 * 2  # only embedding rows differ
+
+
+def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
+    assert floor_ms(4_300_000_000, 4300.0) == pytest.approx(1.0)
+    assert floor_ms(1, None) is None
+    config_dir, layers = prepare_config_dir("qwen3-30b-a3b", 12, tmp_path)
+    assert layers == 12 and read_config(config_dir)["num_hidden_layers"] == 12
+    full, cut = _shape("qwen3-30b-a3b"), ModelShape.from_config(read_config(config_dir))
+    assert cut.num_layers == 12 and full.num_layers == 48
+    assert decode_step_bytes(cut, 1, 100).kv * 4 == decode_step_bytes(full, 1, 100).kv
+    with pytest.raises(ValueError, match="expected 1..48"):
+        prepare_config_dir("qwen3-30b-a3b", 49, tmp_path)
+    assert prepare_config_dir("qwen3-8b", None, tmp_path) == (shipped_config_dir("qwen3-8b"), 36)
+
+
+# --- rows, ratios, merge ----------------------------------------------------------------------
+
+def _row(model: str, batch: int, context: int, mode: str, p50: float) -> dict:
+    return {"model": model, "batch": batch, "context": context, "mode": mode,
+            "tpot_ms_p50": p50, "tpot_ms_p10": p50 * 0.9, "tpot_ms_p90": p50 * 1.1,
+            "startup_s": 10.0, "capture_s": 2.0, "graph_mem_mib": 100.0, "floor_ms": 0.5,
+            "pct_of_floor": round(50 / p50, 2), "num_layers": 28, "noisy": False}
+
+
+def test_ratio_keys_and_values() -> None:
+    rows = [_row("qwen3-0.6b", 1, 512, m, v) for m, v in (
+        ("stock_eager", 30.0), ("stock_graphs", 2.5), ("stock_full_decode", 2.4),
+        ("stock_full_decode_nc", 2.0))]
+    rows.append(_row("qwen3-0.6b", 8, 4096, "stock_eager", 28.0))  # nothing to compare with
+    ratios = report.compute_ratios(rows)
+    at = "/qwen3-0.6b/b1/c512"
+    assert ratios == {
+        # every stock mode over the best stock graph mode (stock_full_decode_nc here)
+        f"tpot_stock_eager_over_stock_full_decode_nc{at}": 15.0,
+        f"tpot_stock_graphs_over_stock_full_decode_nc{at}": 1.25,
+        f"tpot_stock_full_decode_over_stock_full_decode_nc{at}": 1.2,
+        # eager over each graph mode
+        f"tpot_stock_eager_over_stock_graphs{at}": 12.0,
+        f"tpot_stock_eager_over_stock_full_decode{at}": 12.5,
+    }
+    key_re = re.compile(r"^tpot_([a-z_]+)_over_([a-z_]+)/(qwen3-0\.6b|qwen3-8b|qwen3-30b-a3b)/b\d+/c\d+$")
+    assert all(key_re.match(k) for k in ratios)
+
+
+def test_ratios_with_plugin_rows() -> None:
+    rows = [_row("qwen3-30b-a3b", 32, 4096, m, v) for m, v in (
+        ("stock_eager", 40.0), ("stock_graphs", 8.0), ("plugin_eager", 41.0), ("plugin_graphs", 5.0))]
+    ratios = report.compute_ratios(rows)
+    at = "/qwen3-30b-a3b/b32/c4096"
+    assert ratios[f"tpot_stock_eager_over_stock_graphs{at}"] == 5.0
+    assert ratios[f"tpot_stock_graphs_over_plugin_graphs{at}"] == 1.6
+    assert ratios[f"tpot_stock_eager_over_plugin_graphs{at}"] == 8.0
+    assert ratios[f"tpot_plugin_eager_over_plugin_graphs{at}"] == 8.2
+    assert ratios[f"tpot_plugin_eager_over_stock_graphs{at}"] == 5.125
+    assert len(ratios) == 5
+
+
+def test_percentile_and_build_rows() -> None:
+    assert report.percentile([1, 2, 3, 4, 5], 50) == 3
+    assert report.percentile([1, 2, 3, 4], 10) == pytest.approx(1.3)
+    with pytest.raises(ValueError):
+        report.percentile([], 50)
+    steps = [float(v) for v in range(1, 101)]
+    result = WorkerResult(model="qwen3-0.6b", mode="stock_graphs", status="ok", startup_s=66.0,
+                          capture_s=5.5, graph_mem_mib=300.0, resolved={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                          points=[PointResult(1, 512, step_ms=steps, repeat_p50_ms=[50.5], repeats_done=1),
+                                  PointResult(8, 512, error="boom")])
+    (row,) = report.build_rows(result, _shape("qwen3-0.6b"), bandwidth_gbps=4300.0)
+    assert (row.tpot_ms_p10, row.tpot_ms_p50, row.tpot_ms_p90) == (10.9, 50.5, 90.1)
+    assert row.floor_bytes == 1_250_822_144
+    assert row.floor_ms == pytest.approx(1_250_822_144 / 4.3e12 * 1e3, abs=1e-4)
+    assert row.pct_of_floor == pytest.approx(100 * row.floor_ms / 50.5, abs=0.01)
+    assert row.noisy and row.steps == 100 and row.cudagraph_mode == "FULL_AND_PIECEWISE"
+
+
+def test_merge_recomputes_everything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_rows = [_row("qwen3-0.6b", 1, 512, "stock_eager", 30.0), _row("qwen3-0.6b", 1, 512, "stock_graphs", 2.5)]
+    b_rows = [_row("qwen3-0.6b", 1, 512, "stock_graphs", 3.0),  # re-measured: B wins
+              _row("qwen3-8b", 1, 512, "stock_full_decode_nc", 4.0),
+              _row("qwen3-8b", 1, 512, "stock_eager", 32.0)]
+    env_a = {"gpu_name": "NVIDIA H200", "layers": {"qwen3-0.6b": 28}, "vllm": "0.26.0"}
+    env_b = {"gpu_name": "NVIDIA H200", "layers": {"qwen3-8b": 36}, "vllm": "0.26.0"}
+    absent = {"plugin_graphs": "not implemented yet"}
+    doc_a = report.assemble("a", env_a, a_rows, absent, [], [])
+    doc_b = report.assemble("b", env_b, b_rows, absent,
+                            [{"model": "qwen3-8b", "mode": "stock_graphs", "error": "OOM"}], [])
+    pa, pb = report.write(doc_a, tmp_path), report.write(doc_b, tmp_path)
+    rc = decode.main(["merge", str(pa), str(pb), "--name", "ab", "--results-dir", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert merged["name"] == "ab" and len(merged["rows"]) == 4
+    assert merged["env"]["layers"] == {"qwen3-0.6b": 28, "qwen3-8b": 36}
+    assert merged["env"]["gpu_name"] == "NVIDIA H200" and merged["env"]["merged_from"] == [str(pa), str(pb)]
+    assert merged["absent"] == absent
+    assert merged["ratios"] == {
+        "tpot_stock_eager_over_stock_graphs/qwen3-0.6b/b1/c512": 10.0,
+        "tpot_stock_eager_over_stock_full_decode_nc/qwen3-8b/b1/c512": 8.0,
+    }
+    assert merged["failures"][0]["error"] == "OOM"
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert any(line.startswith("qwen3-8b") and "stock_full_decode_nc" in line for line in out)
+    assert out[-1].startswith("failed  qwen3-8b stock_graphs")  # the table comes last
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert decode.main(["merge", str(bad), "--name", "x", "--results-dir", str(tmp_path)]) == decode.EXIT_USAGE
+
+
+# --- worker pieces --------------------------------------------------------------------------
+
+def test_log_tap_reads_vllm_capture_record() -> None:
+    tap = worker.VllmLogTap()
+    logger = logging.getLogger("vllm.test_benchmark_harness")
+    logger.addHandler(tap)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info(worker.CAPTURE_MSG, 7.6, 0.3125)
+        logger.info(worker.INIT_MSG_PREFIX + " %.2f s", 61.25)
+    finally:
+        logger.removeHandler(tap)
+    assert tap.capture_s == 7.6 and tap.graph_mem_gib == 0.3125 and tap.captures == 1
+    assert tap.init_engine_s == 61.25
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_capture_message_is_vllms_own() -> None:
+    root = Path(importlib.util.find_spec("vllm").origin).parent  # no import of vLLM
+    for rel in ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"):
+        assert f'"{worker.CAPTURE_MSG}"' in (root / rel).read_text(), rel
+    assert worker.INIT_MSG_PREFIX in (root / "v1/engine/core.py").read_text()
+
+
+class _Engine:
+    """Minimal stand-in for LLMEngine's add_request/step/has_unfinished_requests/abort_request,
+    with chunked prefill: decodes first, then prefill chunks within the token budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.reqs, self.steps = budget, {}, 0
+
+    def add_request(self, rid: str, prompt: dict, params: SimpleNamespace) -> str:
+        self.reqs[rid] = {"left": len(prompt["prompt_token_ids"]), "out": 0, "max": params.max_tokens}
+        return rid + "-x"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def abort_request(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.reqs.pop(rid, None)
+
+    def step(self) -> list[SimpleNamespace]:
+        self.steps += 1
+        budget, new = self.budget, {}
+        for rid, r in self.reqs.items():
+            if r["left"] == 0:
+                new[rid], budget = 1, budget - 1
+        for rid, r in self.reqs.items():
+            if r["left"] and budget > 0:
+                take = min(r["left"], budget)
+                r["left"], budget = r["left"] - take, budget - take
+                if r["left"] == 0:
+                    new[rid] = 1
+        outs = []
+        for rid, n in new.items():
+            self.reqs[rid]["out"] += n
+            done = self.reqs[rid]["out"] >= self.reqs[rid]["max"]
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=[0] * n)]))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+
+def test_run_point_times_decode_only_steps() -> None:
+    engine = _Engine(budget=1000)
+    llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
+    spec = WorkerSpec(model="m", config_dir="", mode="stock_eager", llm_kwargs={}, env={},
+                      batches=[4], contexts=[600], repeats=1, decode_tokens=20, warmup_steps=3,
+                      vocab_size=100, seed=0, result_path="")
+    resolved = {"max_num_batched_tokens": 1000, "max_model_len": 700, "num_gpu_blocks": 200,
+                "block_size": 16}
+    steps, prefill_s = worker.run_point(
+        llm, spec, 4, 600, "t", random.Random(0), resolved,
+        make_params=lambda n: SimpleNamespace(max_tokens=n),
+        make_prompt=lambda ids: {"prompt_token_ids": ids})
+    assert len(steps) == 20 and all(s >= 0 for s in steps) and prefill_s >= 0
+    assert not engine.reqs  # every request finished
+    resolved["num_gpu_blocks"] = 10  # 160 tokens of KV cannot hold 4 x 600
+    with pytest.raises(RuntimeError, match="KV cache holds 160 tokens"):
+        worker.run_point(llm, spec, 4, 600, "u", random.Random(0), resolved,
+                         make_params=lambda n: SimpleNamespace(max_tokens=n),
+                         make_prompt=lambda ids: {"prompt_token_ids": ids})
+
+
+def test_decode_intervals_and_spec_order() -> None:
+    assert worker.decode_intervals([[0.0, 0.001, 0.003], [], [1.0, 1.002]]) == pytest.approx([1.0, 2.0, 2.0])
+    spec = WorkerSpec(model="m", config_dir="", mode="x", llm_kwargs={}, env={}, batches=[1, 8, 32, 64],
+                      contexts=[512, 4096], repeats=1, decode_tokens=1, warmup_steps=0,
+                      vocab_size=1, seed=0, result_path="")
+    assert spec.points()[:3] == [(1, 512), (1, 4096), (8, 512)] and spec.points()[-1] == (64, 4096)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slowest test here (~10 s: imports vLLM): vLLM 0.26 takes every kwarg of every mode."""
+    args = decode.run_parser().parse_args(["--models", "qwen3-0.6b", "--dry-run"])
+    specs, _, _, _ = decode.plan(args, tmp_path)
+    for spec in specs:
+        for key, value in spec.env.items():
+            monkeypatch.setenv(key, value)
+        checked = worker.validate(spec)
+        assert checked["attention_backend"] == "TRITON_ATTN" and checked["load_format"] == "dummy"
+    assert worker.validate(specs[-1])["compilation_mode"] == "NONE"
+    bad = dataclasses.replace(specs[0], llm_kwargs={**specs[0].llm_kwargs,
+                                                    "compilation_config": {"cuda_graph_mode": "FULL"}})
+    with pytest.raises(ValueError, match="compilation_config.cuda_graph_mode"):
+        worker.validate(bad)

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_moe_graphs.capability import (
+    CONFIG_PROOFS,
+    REMEDY,
+    ConfigFacts,
+    DecodeGraphCapability,
+    Proof,
+    Reason,
+    config_capability,
+    runtime_capability,
+)
+
+ELIGIBLE_FACTS = ConfigFacts(
+    architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", has_mla=False,
+    dtype="bfloat16", kv_cache_dtype="auto", is_cuda=True, enforce_eager=False,
+    tensor_parallel_size=2, pipeline_parallel_size=1, speculative=False, lora=False,
+    offload="uva")
+
+
+def test_eligible_config():
+    report = config_capability(ELIGIBLE_FACTS)
+    assert report.eligible
+    assert report.reasons == (Reason.ELIGIBLE,)
+    assert [p.name for p in report.proofs] == list(CONFIG_PROOFS)
+    assert report.render().startswith("eligible")
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(disabled_by_env=True), Reason.DISABLED_BY_ENV),
+    (dict(plugin_enabled=False), Reason.DISABLED_BY_CONFIG),
+    (dict(is_cuda=False), Reason.NO_CUDA),
+    (dict(architectures=("LlamaForCausalLM",), model_type="llama"),
+     Reason.UNSUPPORTED_ARCHITECTURE),
+    (dict(architectures=(),), Reason.UNSUPPORTED_ARCHITECTURE),
+    (dict(architectures=("Qwen3ForCausalLM", "LlamaForCausalLM")),
+     Reason.UNSUPPORTED_ARCHITECTURE),
+    (dict(architectures=("DeepseekV2ForCausalLM",), model_type="deepseek_v2"),
+     Reason.MLA_LAYOUT_UNSUPPORTED),
+    (dict(has_mla=True), Reason.MLA_LAYOUT_UNSUPPORTED),
+    (dict(dtype="float32"), Reason.UNSUPPORTED_DTYPE),
+    (dict(kv_cache_dtype="fp8"), Reason.UNSUPPORTED_DTYPE),
+    (dict(enforce_eager=True), Reason.ENFORCE_EAGER),
+    (dict(pipeline_parallel_size=2), Reason.PIPELINE_PARALLEL),
+    (dict(speculative=True), Reason.SPECULATIVE_DECODING),
+    (dict(lora=True), Reason.LORA),
+    (dict(offload="uva_disabled"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
+    (dict(offload="prefetch"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
+    (dict(offload="something_new"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
+])
+def test_each_config_deny(change, reason):
+    report = config_capability(dataclasses.replace(ELIGIBLE_FACTS, **change))
+    assert not report.eligible
+    assert report.reasons == (reason,)
+    assert reason.value in report.render() and REMEDY[reason] in report.render()
+
+
+def test_mla_wins_over_architecture_even_with_qwen_name():
+    # a latent-KV config is classified MLA before anything else is read about its heads
+    facts = dataclasses.replace(ELIGIBLE_FACTS, has_mla=True)
+    assert config_capability(facts).reasons == (Reason.MLA_LAYOUT_UNSUPPORTED,)
+
+
+def test_reasons_accumulate_in_proof_order():
+    facts = dataclasses.replace(ELIGIBLE_FACTS, is_cuda=False, lora=True, enforce_eager=True)
+    assert config_capability(facts).reasons == (Reason.NO_CUDA, Reason.ENFORCE_EAGER, Reason.LORA)
+
+
+def test_runtime_capability_requires_storage_proof():
+    config = config_capability(ELIGIBLE_FACTS)
+    without = runtime_capability(config)
+    assert not without.eligible and without.reasons == (Reason.UNPROVEN,)
+    assert without.missing == ("storage",)
+    assert "proof 'storage' missing" in without.render()
+    unbound = runtime_capability(config, Proof("storage", Reason.STORAGE_UNBOUND))
+    assert unbound.reasons == (Reason.STORAGE_UNBOUND,)
+    bound = runtime_capability(config, Proof("storage", Reason.ELIGIBLE))
+    assert bound.eligible
+
+
+def test_empty_report_is_a_deny():
+    report = DecodeGraphCapability.compose([])
+    assert not report.eligible and report.reasons == (Reason.UNPROVEN,)
+
+
+def test_with_proofs_replaces_by_name():
+    report = DecodeGraphCapability.compose([Proof("storage", Reason.STORAGE_UNBOUND)],
+                                           required=["storage"])
+    assert report.with_proofs(Proof("storage", Reason.ELIGIBLE)).eligible
+    changed = report.with_proofs(Proof("storage", Reason.STORAGE_IDENTITY_CHANGED))
+    assert changed.reasons == (Reason.STORAGE_IDENTITY_CHANGED,)
+
+
+def test_duplicate_proof_names_rejected():
+    with pytest.raises(AssertionError, match="duplicate"):
+        DecodeGraphCapability.compose([Proof("a", Reason.ELIGIBLE), Proof("a", Reason.LORA)])
+
+
+def test_report_is_frozen():
+    report = config_capability(ELIGIBLE_FACTS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.proofs = ()  # type: ignore[misc]
+
+
+def test_reason_values_are_unique_snake_case():
+    values = [r.value for r in Reason]
+    assert len(values) == len(set(values))
+    assert all(v.replace("_", "").isalpha() and v == v.lower() for v in values)

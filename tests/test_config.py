@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+
+from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
+
+
+def test_defaults_when_absent():
+    assert PluginConfig.from_additional_config(None) == PluginConfig()
+    assert PluginConfig.from_additional_config({"other_plugin": {}}) == PluginConfig()
+
+
+def test_parses_every_field():
+    cfg = PluginConfig.from_additional_config({"moe_graphs": {
+        "enabled": False, "decode_batch_buckets": [1, 4, 16], "context_buckets": [512, 4096],
+        "warmup_steps": 0, "graph_memory_budget_mib": 512, "capture_failure_policy": "raise",
+        "precapture": True}})
+    assert cfg.enabled is False
+    assert cfg.decode_batch_buckets == (1, 4, 16)
+    assert cfg.context_buckets == (512, 4096)
+    assert cfg.warmup_steps == 0
+    assert cfg.graph_memory_budget_mib == 512
+    assert cfg.capture_failure_policy is CaptureFailurePolicy.RAISE
+    assert cfg.precapture is True
+    assert PluginConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        PluginConfig().warmup_steps = 3  # type: ignore[misc]
+
+
+def test_default_buckets_sorted_and_positive():
+    cfg = PluginConfig()
+    for buckets in (cfg.decode_batch_buckets, cfg.context_buckets):
+        assert list(buckets) == sorted(set(buckets)) and buckets[0] > 0
+
+
+@pytest.mark.parametrize("section,needles", [
+    ({"graph_budget": 3}, ["moe_graphs.graph_budget", "3", "allowed keys", "graph_memory_budget_mib"]),
+    ({"warmup_steps": "2"}, ["moe_graphs.warmup_steps", "'2'", "integer"]),
+    ({"warmup_steps": 2.5}, ["moe_graphs.warmup_steps", "2.5", "integer"]),
+    ({"warmup_steps": True}, ["moe_graphs.warmup_steps", "True", "integer"]),
+    ({"warmup_steps": -1}, ["moe_graphs.warmup_steps", "-1", ">= 0"]),
+    ({"graph_memory_budget_mib": -5}, ["moe_graphs.graph_memory_budget_mib", "-5", ">= 0"]),
+    ({"enabled": "yes"}, ["moe_graphs.enabled", "'yes'", "true or false"]),
+    ({"precapture": 1}, ["moe_graphs.precapture", "1", "true or false"]),
+    ({"decode_batch_buckets": [4, 2, 8]}, ["moe_graphs.decode_batch_buckets", "[4, 2, 8]",
+                                           "strictly increasing", "[2, 4, 8]"]),
+    ({"decode_batch_buckets": [1, 2, 2]}, ["moe_graphs.decode_batch_buckets", "strictly"]),
+    ({"decode_batch_buckets": [0, 1]}, ["moe_graphs.decode_batch_buckets", "entry 0",
+                                        "positive"]),
+    ({"context_buckets": [-1024, 2048]}, ["moe_graphs.context_buckets", "-1024", "positive"]),
+    ({"context_buckets": []}, ["moe_graphs.context_buckets", "non-empty"]),
+    ({"context_buckets": 4096}, ["moe_graphs.context_buckets", "4096", "list"]),
+    ({"context_buckets": [1.5]}, ["moe_graphs.context_buckets", "1.5", "positive integer"]),
+    ({"capture_failure_policy": "ignore"}, ["moe_graphs.capture_failure_policy", "'ignore'",
+                                            "quarantine"]),
+])
+def test_bad_input_names_key_value_and_allowed(section, needles):
+    with pytest.raises(ValueError) as err:
+        PluginConfig.from_additional_config({"moe_graphs": section})
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_section_must_be_object():
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        PluginConfig.from_additional_config({"moe_graphs": [1, 2]})

@@ -1,0 +1,122 @@
+"""`moe-graphs doctor` and `moe-graphs demo` on a CPU machine (no CUDA)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_moe_graphs.cli import doctor
+from vllm_moe_graphs.cli.main import main as cli_main
+
+DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+               "hidden_size": 5120, "num_attention_heads": 128, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+               "v_head_dim": 128, "num_hidden_layers": 60, "torch_dtype": "bfloat16"}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+         "torch_dtype": "bfloat16"}
+
+
+def _config_dir(tmp_path, cfg) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def _run(capsys, *argv):
+    code = cli_main(["doctor", *argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_qwen3_shape_on_cpu_reports_no_cuda(capsys):
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert code == doctor.EXIT_NOT_ELIGIBLE
+    assert "no_cuda" in out and "fix:" in out
+    assert "unsupported_architecture" not in out
+
+
+def test_deepseek_v2_reports_mla(capsys, tmp_path):
+    code, out = _run(capsys, _config_dir(tmp_path, DEEPSEEK_V2))
+    assert code == doctor.EXIT_NOT_ELIGIBLE
+    assert "mla_layout_unsupported" in out and "no_cuda" in out
+    assert "unsupported_architecture" not in out
+
+
+def test_llama_reports_unsupported_architecture(capsys, tmp_path):
+    code, out = _run(capsys, _config_dir(tmp_path, LLAMA))
+    assert code == doctor.EXIT_NOT_ELIGIBLE
+    assert "unsupported_architecture" in out and "LlamaForCausalLM" in out
+
+
+@pytest.mark.parametrize("flags,reason", [
+    (["-pp", "2"], "pipeline_parallel"),
+    (["--enable-lora"], "lora"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+     "speculative_decoding"),
+    (["--enforce-eager"], "enforce_eager"),
+    (["--kv-cache-dtype", "fp8"], "unsupported_dtype"),
+    (["--dtype", "float32"], "unsupported_dtype"),
+    (["--offload-group-size", "4", "--offload-num-in-group", "1"], "offload_not_graph_safe"),
+    (["--additional-config", '{"moe_graphs": {"enabled": false}}'], "disabled_by_config"),
+])
+def test_engine_flags_map_to_reasons(capsys, flags, reason):
+    code, out = _run(capsys, "qwen3-30b-a3b", *flags)
+    assert code == doctor.EXIT_NOT_ELIGIBLE
+    assert reason in out
+
+
+def test_uva_expert_offload_is_not_a_deny(capsys):
+    code, out = _run(capsys, "qwen3-30b-a3b", "--cpu-offload-gb", "8",
+                     "--cpu-offload-params", "experts", "-tp", "2")
+    assert "offload_not_graph_safe" not in out
+    assert "no_cuda" in out  # the only reason on a CPU machine
+
+
+def test_uva_disabled_offload_is_denied(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_WEIGHT_OFFLOADING_DISABLE_UVA", "1")
+    code, out = _run(capsys, "qwen3-30b-a3b", "--cpu-offload-gb", "8")
+    assert "offload_not_graph_safe" in out
+
+
+def test_unread_flags_are_listed(capsys):
+    code, out = _run(capsys, "qwen3-0.6b", "--max-model-len", "1024")
+    assert "not read (do not affect eligibility): --max-model-len 1024" in out
+
+
+def test_bad_plugin_config_exits_2(capsys):
+    code, out = _run(capsys, "qwen3-0.6b", "--additional-config",
+                     '{"moe_graphs": {"graph_memory_budget_mib": -1}}')
+    assert code == doctor.EXIT_BAD_INPUT
+    assert "graph_memory_budget_mib" in out and "-1" in out
+
+
+def test_missing_config_dir_exits_2(capsys, tmp_path):
+    code, out = _run(capsys, str(tmp_path / "nothing"))
+    assert code == doctor.EXIT_BAD_INPUT
+    assert "config.json" in out
+
+
+def test_unknown_command_and_usage(capsys):
+    assert cli_main(["frobnicate"]) == 2
+    assert cli_main(["--help"]) == 0
+    assert "doctor" in capsys.readouterr().out
+
+
+def test_console_script_and_demo_without_gpu():
+    """The installed console script; the demo on a CPU machine says so and shows doctor."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_moe_graphs.cli.main", "demo"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no CUDA GPU" in proc.stdout
+    assert "no_cuda" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_demo_rejects_bad_numbers(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--batch", "0"])
+    assert exc.value.code == 2
+    assert "--batch=0" in capsys.readouterr().err

@@ -1,0 +1,40 @@
+"""Triton attention kernels for the decode graphs: paged decode (GQA, split-K), KV write and
+varlen/chunked prefill over vLLM 0.26's paged KV cache. `reference` holds pure-torch
+references for tests and benchmarks; import it explicitly.
+
+Importing this package imports triton (not vLLM). Under `TRITON_INTERPRET=1` the kernels run
+on CPU tensors; that variable must be set before this package is first imported.
+"""
+
+from __future__ import annotations
+
+from vllm_moe_graphs.ops.kv_write import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_SIZES,
+    split_kv_cache,
+    write_kv,
+)
+from vllm_moe_graphs.ops.paged_decode import (
+    DecodeKernelConfig,
+    allocate_decode_workspace,
+    choose_num_splits,
+    decode_workspace_shape,
+    paged_decode_attention,
+)
+from vllm_moe_graphs.ops.prefill import PrefillKernelConfig, paged_prefill_attention
+
+__all__ = [
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "DecodeKernelConfig",
+    "PrefillKernelConfig",
+    "allocate_decode_workspace",
+    "choose_num_splits",
+    "decode_workspace_shape",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "split_kv_cache",
+    "write_kv",
+]
