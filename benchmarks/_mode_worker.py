@@ -13,13 +13,11 @@ got exactly one new token and all of them had finished prefill before: decode-on
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import logging
 import math
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -35,10 +33,8 @@ from benchmarks.protocol import (
     spec_from_json,
     write_json_atomic,
 )
+from benchmarks.vllm_facts import VllmLogTap, check_config_dicts, describe_engine, validate
 
-CAPTURE_MSG = "Graph capturing finished in %.0f secs, took %.2f GiB"  # vLLM 0.26, V1 and V2
-CAPTURE_RE = re.compile(r"Graph capturing finished in (\S+) secs, took (\S+) GiB")
-INIT_MSG_PREFIX = "init engine (profile, create kv cache, warmup model) took"
 MAX_CONSECUTIVE_FAILURES = 2
 
 
@@ -46,121 +42,11 @@ def say(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-class VllmLogTap(logging.Handler):
-    """Reads vLLM's own start-up records: graph capture time and memory, engine init time.
-
-    The numbers come from the record's args (full precision); the printed message rounds the
-    capture time to whole seconds."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.capture_s: float | None = None
-        self.graph_mem_gib: float | None = None
-        self.captures = 0
-        self.init_engine_s: float | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = record.msg if isinstance(record.msg, str) else ""
-            if msg.startswith("Graph capturing finished"):
-                secs, gib = _capture_numbers(record)
-                self.capture_s = (self.capture_s or 0.0) + secs
-                self.graph_mem_gib = (self.graph_mem_gib or 0.0) + gib
-                self.captures += 1
-            elif msg.startswith(INIT_MSG_PREFIX) and record.args:
-                self.init_engine_s = float(record.args[0])  # type: ignore[index]
-        except Exception:  # noqa: BLE001 - a log tap must never break the engine
-            pass
-
-
-def _capture_numbers(record: logging.LogRecord) -> tuple[float, float]:
-    args = record.args
-    if isinstance(args, tuple) and len(args) == 2:
-        return float(args[0]), float(args[1])
-    match = CAPTURE_RE.search(record.getMessage())
-    if match is None:
-        raise ValueError(f"unexpected capture log line: {record.getMessage()!r}")
-    return float(match.group(1)), float(match.group(2))
-
-
 def format_error(exc: BaseException, limit: int = 2500) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     head = f"{type(exc).__name__}: {exc}"
     tail = tb[-limit:]
     return head if head in tail else f"{head}\n...{tail}"
-
-
-def check_config_dicts(llm_kwargs: dict[str, Any]) -> None:
-    """Every key of the nested config dicts must be an init field of vLLM's config class."""
-    from vllm.config.attention import AttentionConfig
-    from vllm.config.compilation import CompilationConfig
-    from vllm.config.utils import is_init_field
-
-    for key, cls in (("compilation_config", CompilationConfig), ("attention_config", AttentionConfig)):
-        for field in llm_kwargs.get(key) or {}:
-            try:
-                ok = is_init_field(cls, field)
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{key}.{field} is not a settable field of vLLM {cls.__name__}")
-
-
-def validate(spec: WorkerSpec) -> dict[str, Any]:
-    """CPU check: vLLM 0.26 accepts every kwarg and every config key of this mode."""
-    os.environ.update(spec.env)
-    from vllm.engine.arg_utils import EngineArgs
-
-    check_config_dicts(spec.llm_kwargs)
-    args = EngineArgs(**spec.llm_kwargs)
-    cc, ac = args.compilation_config, args.attention_config
-    return {
-        "mode": spec.mode,
-        "enforce_eager": args.enforce_eager,
-        "compilation_mode": getattr(cc.mode, "name", str(cc.mode)),
-        "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
-        "attention_backend": getattr(ac.backend, "name", str(ac.backend)),
-        "load_format": args.load_format,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-    }
-
-
-def _get(obj: Any, path: str) -> Any:
-    """`obj.a.b.c`, None where a link is missing; enum members become their names."""
-    for name in path.split("."):
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj.name if isinstance(obj, enum.Enum) else obj
-
-
-def describe_engine(llm: Any) -> tuple[dict[str, Any], str | None, float | None]:
-    """The configuration vLLM actually runs with, after its own resolution at start-up."""
-    engine = llm.llm_engine
-    vc = engine.vllm_config
-    resolved = {
-        "compilation_mode": _get(vc, "compilation_config.mode"),
-        "cudagraph_mode": _get(vc, "compilation_config.cudagraph_mode"),
-        "cudagraph_capture_sizes": list(vc.compilation_config.cudagraph_capture_sizes or []),
-        "attention_backend": _get(vc, "attention_config.backend"),
-        "enforce_eager": _get(vc, "model_config.enforce_eager"),
-        "max_model_len": _get(vc, "model_config.max_model_len"),
-        "num_hidden_layers": _get(vc, "model_config.hf_config.num_hidden_layers"),
-        "max_num_seqs": _get(vc, "scheduler_config.max_num_seqs"),
-        "max_num_batched_tokens": _get(vc, "scheduler_config.max_num_batched_tokens"),
-        "async_scheduling": _get(vc, "scheduler_config.async_scheduling"),
-        "num_gpu_blocks": _get(vc, "cache_config.num_gpu_blocks"),
-        "block_size": _get(vc, "cache_config.block_size"),
-        "enable_prefix_caching": _get(vc, "cache_config.enable_prefix_caching"),
-        "use_v2_model_runner": getattr(vc, "use_v2_model_runner", None),
-        "worker_cls": _get(vc, "parallel_config.worker_cls"),
-    }
-    runner_obj = _get(engine, "model_executor.driver_worker.worker.model_runner")  # in-process
-    runner = None if runner_obj is None else f"{type(runner_obj).__module__}.{type(runner_obj).__qualname__}"
-    compile_s = getattr(vc.compilation_config, "compilation_time", None)
-    return resolved, runner, (float(compile_s) if compile_s else None)
 
 
 def decode_intervals(chains: list[list[float]]) -> list[float]:
@@ -172,8 +58,15 @@ def decode_intervals(chains: list[list[float]]) -> list[float]:
 
 
 def run_point(
-    llm: Any, spec: WorkerSpec, batch: int, context: int, tag: str, rng: random.Random,
-    resolved: dict[str, Any], make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+    llm: Any,
+    spec: WorkerSpec,
+    batch: int,
+    context: int,
+    tag: str,
+    rng: random.Random,
+    resolved: dict[str, Any],
+    make_params: Callable[[int], Any],
+    make_prompt: Callable[[list[int]], Any],
 ) -> tuple[list[float], float]:
     """One repeat of one (batch, context) point: returns (decode step ms, prefill seconds)."""
     engine = llm.llm_engine
@@ -183,18 +76,22 @@ def run_point(
     room = int(resolved.get("max_model_len") or 0) - context
     max_tokens = min(wanted + prefill_steps + SLACK_STEPS, room)
     if max_tokens < wanted + 2:
-        raise ValueError(f"max_model_len leaves {room} new tokens at context {context}; need {wanted + 2}")
+        raise ValueError(
+            f"max_model_len leaves {room} new tokens at context {context}; need {wanted + 2}"
+        )
     blocks, block = resolved.get("num_gpu_blocks"), resolved.get("block_size")
     if blocks and block:
         need = batch * math.ceil((context + max_tokens) / block) * block
         if need > blocks * block:
             raise RuntimeError(
-                f"KV cache holds {blocks * block} tokens, batch {batch} x {context + max_tokens} needs "
-                f"{need}: the batch would not run concurrently (raise --gpu-memory-utilization or "
-                f"lower --num-layers)"
+                f"KV cache holds {blocks * block} tokens, batch {batch} x "
+                f"{context + max_tokens} needs {need}: the batch would not run concurrently "
+                f"(raise --gpu-memory-utilization or lower --num-layers)"
             )
     params = make_params(max_tokens)
-    prompts = [make_prompt([rng.randrange(spec.vocab_size) for _ in range(context)]) for _ in range(batch)]
+    prompts = [
+        make_prompt([rng.randrange(spec.vocab_size) for _ in range(context)]) for _ in range(batch)
+    ]
     engine_inputs = llm._preprocess_cmpl(prompts)  # what LLM.generate does with token prompts
     ids = [f"{tag}-{i}" for i in range(batch)]
     counts = dict.fromkeys(ids, 0)
@@ -217,8 +114,12 @@ def run_point(
                 finished = finished or out.finished
             for rid, n in new.items():
                 counts[rid] = counts.get(rid, 0) + n
-            decode_only = (was_ready and not finished and len(new) == batch
-                           and all(n == 1 for n in new.values()))
+            decode_only = (
+                was_ready
+                and not finished
+                and len(new) == batch
+                and all(n == 1 for n in new.values())
+            )
             if decode_only:
                 chains[-1].append(now)
             elif chains[-1]:
@@ -228,7 +129,7 @@ def run_point(
     finally:
         if engine.has_unfinished_requests():
             engine.abort_request(ids)
-    steps = decode_intervals(chains)[spec.warmup_steps:][: spec.decode_tokens]
+    steps = decode_intervals(chains)[spec.warmup_steps :][: spec.decode_tokens]
     if len(steps) < max(1, spec.decode_tokens // 2):
         raise RuntimeError(
             f"only {len(steps)} decode-only steps at batch {batch} context {context} (wanted "
@@ -264,14 +165,18 @@ def measure_bandwidth(torch: Any) -> float | None:
     return None
 
 
-def run(spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_cpu: bool = False) -> None:
+def run(
+    spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_cpu: bool = False
+) -> None:
     os.environ.update(spec.env)  # before vLLM reads its environment
     import torch
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not allow_cpu:
-        raise RuntimeError("CUDA is not available in the mode worker (torch.cuda.is_available() "
-                           "is False): run the benchmark on a machine with an NVIDIA GPU")
+        raise RuntimeError(
+            "CUDA is not available in the mode worker (torch.cuda.is_available() "
+            "is False): run the benchmark on a machine with an NVIDIA GPU"
+        )
     t0 = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
@@ -287,7 +192,9 @@ def run(spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_
         triton_version = "unknown"
 
     result.versions = {
-        "torch": torch.__version__, "vllm": vllm.__version__, "triton": triton_version,
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "triton": triton_version,
         "cuda": str(torch.version.cuda),
         "python": sys.version.split()[0],
     }
@@ -301,7 +208,8 @@ def run(spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_
     t0 = time.perf_counter()
     llm = LLM(**spec.llm_kwargs)
     result.startup_s = time.perf_counter() - t0
-    result.versions["gpu"] = torch.cuda.get_device_name(0) if on_gpu else "cpu"  # after vLLM's CUDA init
+    # Device name only now: vLLM initialises CUDA itself.
+    result.versions["gpu"] = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     result.capture_s = tap.capture_s
     result.graph_mem_mib = None if tap.graph_mem_gib is None else tap.graph_mem_gib * 1024
     result.resolved, result.runner, result.compile_s = describe_engine(llm)
@@ -309,26 +217,40 @@ def run(spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_
     result.resolved["capture_records"] = tap.captures
     result.status = "running"
     save()
-    say(f"{spec.model} {spec.mode}: ready in {result.startup_s:.1f} s (capture "
+    say(
+        f"{spec.model} {spec.mode}: ready in {result.startup_s:.1f} s (capture "
         f"{_fmt(result.capture_s)} s, graphs {_fmt(result.graph_mem_mib)} MiB, runner "
-        f"{result.runner}, cudagraph_mode {result.resolved['cudagraph_mode']})")
+        f"{result.runner}, cudagraph_mode {result.resolved['cudagraph_mode']})"
+    )
 
     def make_params(max_tokens: int) -> Any:
         # NOTE: no min_tokens: it adds a per-step logits processor; ignore_eos is enough.
-        return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
-                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+        return SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=max_tokens,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     def make_prompt(ids: list[int]) -> Any:
         return TokensPrompt(prompt_token_ids=ids)
 
     measure_points(llm, spec, result, save, make_params, make_prompt)
-    result.bandwidth_gbps = measure_bandwidth(torch) if on_gpu else None
+    try:
+        result.bandwidth_gbps = measure_bandwidth(torch) if on_gpu else None
+    except Exception as exc:  # noqa: BLE001 - the floor is optional; the TPOT rows are not
+        result.resolved["bandwidth_error"] = format_error(exc, limit=500)
     say(f"{spec.model} {spec.mode}: copy bandwidth {_fmt(result.bandwidth_gbps)} GB/s")
 
 
 def measure_points(
-    llm: Any, spec: WorkerSpec, result: WorkerResult, save: Callable[[], None],
-    make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+    llm: Any,
+    spec: WorkerSpec,
+    result: WorkerResult,
+    save: Callable[[], None],
+    make_params: Callable[[int], Any],
+    make_prompt: Callable[[list[int]], Any],
 ) -> None:
     rng = random.Random(spec.seed)
     durations: dict[tuple[int, int], float] = {}
@@ -341,25 +263,35 @@ def measure_points(
                 continue
             # A started engine measures at least one point if the run's end allows: its start-up
             # time is already spent. Then repeat 1 keeps to its deadline, repeats 2.. to theirs.
-            deadline = (spec.hard_deadline if not durations else spec.first_pass_deadline
-                        if rep == 0 else spec.soft_deadline)
-            est = durations.get((batch, context)) or max([5.0, *(2 * d for d in durations.values())])
+            deadline = (
+                spec.hard_deadline
+                if not durations
+                else spec.first_pass_deadline
+                if rep == 0
+                else spec.soft_deadline
+            )
+            est = durations.get((batch, context)) or max(
+                [5.0, *(2 * d for d in durations.values())]
+            )
             if deadline is not None and time.time() + est > deadline:
                 skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
                 continue
             t0 = time.perf_counter()
             tag = f"r{rep}b{batch}c{context}"
             try:
-                steps, prefill_s = run_point(llm, spec, batch, context, tag, rng, result.resolved,
-                                             make_params, make_prompt)
+                steps, prefill_s = run_point(
+                    llm, spec, batch, context, tag, rng, result.resolved, make_params, make_prompt
+                )
             except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
                 point.error = format_error(exc)
                 failures_in_row += 1
-                say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
+                where = f"{spec.model} {spec.mode} b={batch} c={context}"
+                say(f"{where}: FAILED {type(exc).__name__}: {exc}")
                 save()
                 if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
-                    raise RuntimeError(f"{failures_in_row} points failed in a row; "
-                                       f"giving up on mode {spec.mode}") from exc
+                    raise RuntimeError(
+                        f"{failures_in_row} points failed in a row; giving up on mode {spec.mode}"
+                    ) from exc
                 continue
             failures_in_row = 0
             durations[(batch, context)] = time.perf_counter() - t0
@@ -368,9 +300,11 @@ def measure_points(
             point.prefill_s.append(round(prefill_s, 3))
             point.repeats_done += 1
             save()
-            say(f"{spec.model} {spec.mode} rep {rep + 1}/{spec.repeats} b={batch} c={context}: "
+            say(
+                f"{spec.model} {spec.mode} rep {rep + 1}/{spec.repeats} b={batch} c={context}: "
                 f"p50 {statistics.median(steps):.3f} ms over {len(steps)} steps, prefill "
-                f"{prefill_s:.2f} s, point {durations[(batch, context)]:.1f} s")
+                f"{prefill_s:.2f} s, point {durations[(batch, context)]:.1f} s"
+            )
     result.skipped = [
         {"batch": b, "context": c, "repeats_skipped": n, "reason": "time budget"}
         for (b, c), n in sorted(skipped.items())
@@ -381,20 +315,46 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def validate_all(specs: list[WorkerSpec]) -> int:
+    rejected = 0
+    for spec in specs:
+        try:
+            line = validate(spec)
+        except (TypeError, ValueError) as exc:  # EngineArgs / pydantic / our key check
+            rejected += 1
+            line = {"mode": spec.mode, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(line), flush=True)
+    return 1 if rejected else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks._mode_worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("spec", help="WorkerSpec JSON written by benchmarks.decode")
-    ap.add_argument("--validate", action="store_true",
-                    help="only check the vLLM kwargs with EngineArgs (no GPU, no engine)")
-    ap.add_argument("--allow-cpu", action="store_true",
-                    help="harness self-test only: run on vLLM's CPU platform (no bandwidth, no graphs)")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks._mode_worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("spec", nargs="+", help="WorkerSpec JSON written by benchmarks.decode")
+    ap.add_argument(
+        "--validate",
+        action="store_true",
+        help="only check each spec's vLLM kwargs with EngineArgs (no GPU, no engine); "
+        "prints one JSON line per spec, exit 1 if any is rejected",
+    )
+    ap.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="harness self-test only: run on vLLM's CPU platform (no bandwidth, no graphs)",
+    )
     args = ap.parse_args(argv)
-    with open(args.spec) as f:
-        spec = spec_from_json(json.load(f))
+    specs = []
+    for path in args.spec:
+        with open(path) as f:
+            specs.append(spec_from_json(json.load(f)))
     if args.validate:
-        print(json.dumps(validate(spec)), flush=True)
-        return 0
+        return validate_all(specs)
+    if len(specs) != 1:
+        ap.error("measuring takes exactly one spec")
+    spec = specs[0]
     result = WorkerResult(model=spec.model, mode=spec.mode)
 
     def save() -> None:
@@ -409,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         result.status = "failed" if errors and not done else "ok"
         if result.status == "failed":
             result.error = "no point measured: " + "; ".join(
-                f"b{p.batch}/c{p.context}: {(p.error or '').splitlines()[0]}" for p in errors)
+                f"b{p.batch}/c{p.context}: {(p.error or '').splitlines()[0]}" for p in errors
+            )
     except BaseException as exc:  # noqa: BLE001 - everything, OOM included, goes to the result
         result.status = "failed"
         result.error = format_error(exc)

@@ -60,6 +60,11 @@ class Mode:
     extra_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     startup_estimate_s: float = 60.0  # rough, for --time-budget-s planning only
 
+    @property
+    def budget_weight(self) -> float:
+        """Relative share of a time budget: start-up plus measuring (eager steps cost ~10x)."""
+        return self.startup_estimate_s + (40.0 if self.graphs else 120.0)
+
     def available(self) -> Availability:
         if self.family is Family.STOCK:
             return Availability(ok=True)
@@ -87,26 +92,52 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("stock_eager", Family.STOCK, False,
-             "vLLM with enforce_eager=True: no torch.compile, no CUDA graphs",
-             {"enforce_eager": True}, startup_estimate_s=35.0),
-        Mode("stock_graphs", Family.STOCK, True,
-             "vLLM 0.26 default: torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_AND_PIECEWISE",
-             {}, startup_estimate_s=90.0),
-        Mode("stock_full_decode", Family.STOCK, True,
-             "torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_DECODE_ONLY",
-             {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
-             startup_estimate_s=80.0),
-        Mode("stock_full_decode_nc", Family.STOCK, True,
-             "no torch.compile (compilation mode NONE) + cudagraph_mode FULL_DECODE_ONLY",
-             {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}},
-             startup_estimate_s=35.0),
-        Mode("plugin_eager", Family.PLUGIN, False,
-             "vllm_moe_graphs loaded, its decode graphs off (kwargs from the plugin's hook)",
-             startup_estimate_s=35.0),
-        Mode("plugin_graphs", Family.PLUGIN, True,
-             "vllm_moe_graphs decode CUDA graphs (kwargs from the plugin's hook)",
-             startup_estimate_s=45.0),
+        Mode(
+            "stock_eager",
+            Family.STOCK,
+            False,
+            "vLLM with enforce_eager=True: no torch.compile, no CUDA graphs",
+            {"enforce_eager": True},
+            startup_estimate_s=35.0,
+        ),
+        Mode(
+            "stock_graphs",
+            Family.STOCK,
+            True,
+            "vLLM 0.26 default: torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_AND_PIECEWISE",
+            {},
+            startup_estimate_s=90.0,
+        ),
+        Mode(
+            "stock_full_decode",
+            Family.STOCK,
+            True,
+            "torch.compile (VLLM_COMPILE) + cudagraph_mode FULL_DECODE_ONLY",
+            {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+            startup_estimate_s=80.0,
+        ),
+        Mode(
+            "stock_full_decode_nc",
+            Family.STOCK,
+            True,
+            "no torch.compile (compilation mode NONE) + cudagraph_mode FULL_DECODE_ONLY",
+            {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}},
+            startup_estimate_s=35.0,
+        ),
+        Mode(
+            "plugin_eager",
+            Family.PLUGIN,
+            False,
+            "vllm_moe_graphs loaded, its decode graphs off (kwargs from the plugin's hook)",
+            startup_estimate_s=35.0,
+        ),
+        Mode(
+            "plugin_graphs",
+            Family.PLUGIN,
+            True,
+            "vllm_moe_graphs decode CUDA graphs (kwargs from the plugin's hook)",
+            startup_estimate_s=45.0,
+        ),
     )
 }
 STOCK_GRAPH_MODES = tuple(n for n, m in MODES.items() if m.family is Family.STOCK and m.graphs)
@@ -122,8 +153,12 @@ def parse_modes(names: list[str]) -> list[Mode]:
 
 
 def common_llm_kwargs(
-    *, config_dir: str, max_num_seqs: int, max_model_len: int,
-    gpu_memory_utilization: float, seed: int,
+    *,
+    config_dir: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    seed: int,
 ) -> dict[str, Any]:
     """The `vllm.LLM` kwargs every mode shares."""
     return {
@@ -156,7 +191,9 @@ def _plugin_kwargs(mode: str) -> tuple[Availability, dict[str, Any] | None]:
     try:
         pkg = importlib.import_module(PLUGIN_PACKAGE)
     except Exception as exc:  # noqa: BLE001 - any import failure makes the mode absent
-        return Availability(False, AbsentReason.NOT_IMPORTABLE, f"{type(exc).__name__}: {exc}"), None
+        return Availability(
+            False, AbsentReason.NOT_IMPORTABLE, f"{type(exc).__name__}: {exc}"
+        ), None
     hook = getattr(pkg, PLUGIN_HOOK, None)
     if not callable(hook):
         detail = f"{PLUGIN_PACKAGE}.{PLUGIN_HOOK}() does not exist yet"

@@ -1,12 +1,6 @@
 """Turn worker results into the benchmark JSON: rows, ratios, merge, and the printed table.
 
-Ratio keys are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`, value
-tpot_p50(A) / tpot_p50(B), so a value above 1 means B is faster. At every (model, batch, context)
-point that has measurements, with "best stock graph mode" = the stock graph mode with the lowest
-tpot_p50 there:
-  1. every other stock mode over the best stock graph mode;
-  2. every eager mode (stock_eager, plugin_eager) over every graph mode;
-  3. every stock mode over plugin_graphs, when plugin_graphs was measured.
+The ratio set is `RATIO_RULES` below (also written into every JSON).
 """
 
 from __future__ import annotations
@@ -23,7 +17,14 @@ from benchmarks.protocol import SCHEMA, WorkerResult, write_json_atomic
 from benchmarks.shapes import ModelShape, decode_step_bytes, floor_ms
 
 NOISY_SPREAD = 0.2  # (p90 - p10) / p50 above this marks a row noisy
-RATIO_RULES = __doc__.split("\n\n", 1)[1].strip()
+RATIO_RULES = """\
+Ratio keys are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`, value
+tpot_p50(A) / tpot_p50(B), so a value above 1 means B is faster. At every (model, batch, context)
+point that has measurements, with "best stock graph mode" = the stock graph mode with the lowest
+tpot_p50 there:
+  1. every other stock mode over the best stock graph mode;
+  2. every eager mode (stock_eager, plugin_eager) over every graph mode;
+  3. every stock mode over plugin_graphs, when plugin_graphs was measured."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -62,11 +63,10 @@ class Row:
     runner: str | None = None
     cudagraph_mode: str | None = None
     compilation_mode: str | None = None
+    attention_backend: str | None = None  # backends the runner built, e.g. "TRITON_ATTN"
 
 
-def build_rows(
-    result: WorkerResult, shape: ModelShape, bandwidth_gbps: float | None
-) -> list[Row]:
+def build_rows(result: WorkerResult, shape: ModelShape, bandwidth_gbps: float | None) -> list[Row]:
     rows = []
     for p in sorted(result.points, key=lambda p: (p.batch, p.context)):
         if not p.step_ms:
@@ -74,19 +74,34 @@ def build_rows(
         p50, p10, p90 = (percentile(p.step_ms, q) for q in (50, 10, 90))
         nbytes = decode_step_bytes(shape, p.batch, p.context).total
         fl = floor_ms(nbytes, bandwidth_gbps)
-        rows.append(Row(
-            model=result.model, batch=p.batch, context=p.context, mode=result.mode,
-            tpot_ms_p50=round(p50, 4), tpot_ms_p10=round(p10, 4), tpot_ms_p90=round(p90, 4),
-            startup_s=_r(result.startup_s, 2), capture_s=_r(result.capture_s, 2),
-            graph_mem_mib=_r(result.graph_mem_mib, 1),
-            floor_ms=_r(fl, 4), pct_of_floor=None if fl is None else round(100 * fl / p50, 2),
-            floor_bytes=nbytes, num_layers=shape.num_layers, steps=len(p.step_ms),
-            repeats=p.repeats_done, repeat_p50_ms=list(p.repeat_p50_ms),
-            noisy=(p90 - p10) / p50 > NOISY_SPREAD if p50 > 0 else True,
-            compile_s=_r(result.compile_s, 2), runner=result.runner,
-            cudagraph_mode=_str(result.resolved.get("cudagraph_mode")),
-            compilation_mode=_str(result.resolved.get("compilation_mode")),
-        ))
+        rows.append(
+            Row(
+                model=result.model,
+                batch=p.batch,
+                context=p.context,
+                mode=result.mode,
+                tpot_ms_p50=round(p50, 4),
+                tpot_ms_p10=round(p10, 4),
+                tpot_ms_p90=round(p90, 4),
+                startup_s=_r(result.startup_s, 2),
+                capture_s=_r(result.capture_s, 2),
+                graph_mem_mib=_r(result.graph_mem_mib, 1),
+                floor_ms=_r(fl, 4),
+                pct_of_floor=None if fl is None else round(100 * fl / p50, 2),
+                floor_bytes=nbytes,
+                num_layers=shape.num_layers,
+                steps=len(p.step_ms),
+                repeats=p.repeats_done,
+                repeat_p50_ms=list(p.repeat_p50_ms),
+                noisy=(p90 - p10) / p50 > NOISY_SPREAD if p50 > 0 else True,
+                compile_s=_r(result.compile_s, 2),
+                runner=result.runner,
+                cudagraph_mode=_str(result.resolved.get("cudagraph_mode")),
+                compilation_mode=_str(result.resolved.get("compilation_mode")),
+                attention_backend=",".join(result.resolved.get("attention_backends_used") or [])
+                or _str(result.resolved.get("attention_backend")),
+            )
+        )
     return rows
 
 
@@ -103,10 +118,12 @@ def ratio_key(mode_a: str, mode_b: str, model: str, batch: int, context: int) ->
 
 
 def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """The ratio set described in this module's docstring, from rows as dicts."""
+    """The ratio set of RATIO_RULES, from rows as dicts."""
     points: dict[tuple[str, int, int], dict[str, float]] = {}
     for row in rows:
-        points.setdefault((row["model"], row["batch"], row["context"]), {})[row["mode"]] = row["tpot_ms_p50"]
+        points.setdefault((row["model"], row["batch"], row["context"]), {})[row["mode"]] = row[
+            "tpot_ms_p50"
+        ]
     ratios: dict[str, float] = {}
 
     def put(a: str, b: str, at: tuple[str, int, int], tpot: dict[str, float]) -> None:
@@ -129,10 +146,16 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 
 def assemble(
-    name: str, env: dict[str, Any], rows: list[dict[str, Any]], absent: dict[str, str],
-    failures: list[dict[str, Any]], skipped: list[dict[str, Any]],
+    name: str,
+    env: dict[str, Any],
+    rows: list[dict[str, Any]],
+    absent: dict[str, str],
+    failures: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    rows = sorted(rows, key=lambda r: (r["model"], r["batch"], r["context"], _mode_order(r["mode"])))
+    rows = sorted(
+        rows, key=lambda r: (r["model"], r["batch"], r["context"], _mode_order(r["mode"]))
+    )
     measured = {r["mode"] for r in rows}
     return {
         "schema": SCHEMA,
@@ -178,8 +201,12 @@ def merge(docs: Sequence[tuple[str, dict[str, Any]]], name: str) -> dict[str, An
         layers.update(doc.get("env", {}).get("layers", {}))
     envs = [doc.get("env", {}) for _, doc in docs]
     shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
-    env = {**shared, "layers": layers, "merged_from": [s for s, _ in docs],
-           "sources": [{"file": s, "env": e} for (s, _), e in zip(docs, envs)]}
+    env = {
+        **shared,
+        "layers": layers,
+        "merged_from": [s for s, _ in docs],
+        "sources": [{"file": s, "env": e} for (s, _), e in zip(docs, envs)],
+    }
     return assemble(name, env, list(by_key.values()), absent, failures, skipped)
 
 
@@ -195,8 +222,10 @@ def _f(value: float | None, fmt: str) -> str:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    head = (f"{'model':<14}{'b':>4}{'ctx':>6}  {'mode':<21}{'p50 ms':>8} {'p10-p90 ms':>15} "
-            f"{'floor':>7}{'%floor':>7}{'start s':>8}{'capt s':>7}{'graph MiB':>10}")
+    head = (
+        f"{'model':<14}{'b':>4}{'ctx':>6}  {'mode':<21}{'p50 ms':>8} {'p10-p90 ms':>15} "
+        f"{'floor':>7}{'%floor':>7}{'start s':>8}{'capt s':>7}{'graph MiB':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in doc["rows"]:
         spread = f"{r['tpot_ms_p10']:.2f}-{r['tpot_ms_p90']:.2f}" + ("*" if r.get("noisy") else " ")
@@ -208,16 +237,22 @@ def format_table(doc: dict[str, Any]) -> str:
         )
     if not doc["rows"]:
         lines.append("(no rows measured)")
-    lines.append("* = noisy: (p90 - p10) / p50 > "
-                 f"{NOISY_SPREAD:g}; %floor = 100 * floor / p50 (100 = at the HBM limit)")
+    lines.append(
+        "* = noisy: (p90 - p10) / p50 > "
+        f"{NOISY_SPREAD:g}; %floor = 100 * floor / p50 (100 = at the HBM limit)"
+    )
     for mode, why in doc.get("absent", {}).items():
         lines.append(f"absent  {mode}: {why}")
     for f in doc.get("failures", []):
         first = (f.get("error") or "").splitlines()[0] if f.get("error") else ""
-        where = f"{f['model']} {f['mode']}" + (f" b{f['batch']}/c{f['context']}" if "batch" in f else "")
+        where = f"{f['model']} {f['mode']}" + (
+            f" b{f['batch']}/c{f['context']}" if "batch" in f else ""
+        )
         lines.append(f"failed  {where}: {first[:160]}")
     if doc.get("skipped"):
-        lines.append(f"skipped {len(doc['skipped'])} item(s) for lack of time (see 'skipped' in the JSON)")
+        lines.append(
+            f"skipped {len(doc['skipped'])} item(s) for lack of time (see 'skipped' in the JSON)"
+        )
     return "\n".join(lines)
 
 
@@ -232,8 +267,11 @@ def format_ratio_summary(doc: dict[str, Any]) -> str:
         if not graphs:
             continue
         best = min(graphs, key=lambda m: tpot[m])
-        others = ", ".join(f"{m} x{tpot[m] / tpot[best]:.2f}" for m in sorted(tpot, key=_mode_order)
-                           if m != best)
-        lines.append(f"{model} b{batch} c{context}: best stock graphs {best} "
-                     f"{tpot[best]:.3f} ms; {others or 'nothing else measured'}")
+        others = ", ".join(
+            f"{m} x{tpot[m] / tpot[best]:.2f}" for m in sorted(tpot, key=_mode_order) if m != best
+        )
+        lines.append(
+            f"{model} b{batch} c{context}: best stock graphs {best} "
+            f"{tpot[best]:.3f} ms; {others or 'nothing else measured'}"
+        )
     return "\n".join(lines)

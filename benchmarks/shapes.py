@@ -31,7 +31,9 @@ def shipped_config_dir(name: str) -> Path:
     candidates: list[Path] = []
     spec = importlib.util.find_spec("vllm_moe_graphs")
     if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(loc) / "model_configs" / name for loc in spec.submodule_search_locations]
+        candidates += [
+            Path(loc) / "model_configs" / name for loc in spec.submodule_search_locations
+        ]
     candidates.append(REPO_ROOT / "vllm_moe_graphs" / "model_configs" / name)
     for cand in candidates:
         if (cand / "config.json").is_file():
@@ -112,7 +114,9 @@ class ModelShape:
                 mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             )
         except KeyError as exc:
-            raise ValueError(f"model config lacks {exc.args[0]!r}, needed by the byte model") from exc
+            raise ValueError(
+                f"model config lacks {exc.args[0]!r}, needed by the byte model"
+            ) from exc
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Qwen3-MoE's rule (`Qwen3MoeDecoderLayer`): experts unless listed in mlp_only_layers."""
@@ -148,7 +152,9 @@ def decode_step_bytes(shape: ModelShape, batch: int, context: int) -> StepBytes:
     KV: B * C * kv_bytes_per_token (the new token's write is left out). Activations are left out.
     """
     if batch < 1 or context < 0:
-        raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch} context={context}")
+        raise ValueError(
+            f"batch must be >= 1 and context >= 0, got batch={batch} context={context}"
+        )
     d_model, q_width = shape.hidden, shape.num_heads * shape.head_dim
     kv_width = shape.num_kv_heads * shape.head_dim
     attn = d_model * q_width + 2 * d_model * kv_width + q_width * d_model  # q, k, v, o

@@ -18,11 +18,15 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import _mode_worker as worker
-from benchmarks import decode, report
+from benchmarks import decode, report, sweep, vllm_facts
 from benchmarks.modes import MODES, AbsentReason, Family
 from benchmarks.protocol import PointResult, WorkerResult, WorkerSpec
 from benchmarks.shapes import (
-    MODELS, ModelShape, decode_step_bytes, floor_ms, prepare_config_dir, read_config,
+    ModelShape,
+    decode_step_bytes,
+    floor_ms,
+    prepare_config_dir,
+    read_config,
     shipped_config_dir,
 )
 
@@ -30,9 +34,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "benchmarks.decode", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.decode", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _shape(name: str) -> ModelShape:
@@ -41,10 +50,13 @@ def _shape(name: str) -> ModelShape:
 
 # --- CLI ------------------------------------------------------------------------------------
 
+
 def test_help_lists_every_option() -> None:
     out = _cli("--help")
     assert out.returncode == 0, out.stderr
-    options = [s for a in decode.run_parser()._actions for s in a.option_strings if s.startswith("--")]
+    options = [
+        s for a in decode.run_parser()._actions for s in a.option_strings if s.startswith("--")
+    ]
     assert len(options) >= 17, options
     for opt in options:
         assert opt in out.stdout, f"{opt} missing from --help"
@@ -58,8 +70,13 @@ def test_help_lists_every_option() -> None:
 
 def test_no_gpu_fails_fast_with_message() -> None:
     t0 = time.monotonic()
-    out = _cli("--models", "qwen3-0.6b", "--results-dir", "/nonexistent-should-not-be-made",
-               env={"CUDA_VISIBLE_DEVICES": ""})
+    out = _cli(
+        "--models",
+        "qwen3-0.6b",
+        "--results-dir",
+        "/nonexistent-should-not-be-made",
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert time.monotonic() - t0 < 10
     assert out.returncode == decode.EXIT_NO_GPU
     assert "needs an NVIDIA GPU" in out.stderr
@@ -67,7 +84,7 @@ def test_no_gpu_fails_fast_with_message() -> None:
     assert not Path("/nonexistent-should-not-be-made").exists()
 
 
-@pytest.mark.skipif(decode.gpu_problem() is None, reason="this machine has a GPU")
+@pytest.mark.skipif(sweep.gpu_problem() is None, reason="this machine has a GPU")
 def test_no_gpu_detected_on_this_machine() -> None:
     out = _cli("--models", "qwen3-0.6b")
     assert out.returncode == decode.EXIT_NO_GPU
@@ -81,8 +98,19 @@ def test_bad_option_is_a_usage_error() -> None:
 
 
 def test_dry_run_plan(tmp_path: Path) -> None:
-    out = _cli("--dry-run", "--models", "qwen3-0.6b,qwen3-30b-a3b", "--num-layers", "6",
-               "--batches", "8,1", "--contexts", "512", "--log-dir", str(tmp_path))
+    out = _cli(
+        "--dry-run",
+        "--models",
+        "qwen3-0.6b,qwen3-30b-a3b",
+        "--num-layers",
+        "6",
+        "--batches",
+        "8,1",
+        "--contexts",
+        "512",
+        "--log-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["layers"] == {"qwen3-0.6b": 6, "qwen3-30b-a3b": 6}
@@ -102,14 +130,20 @@ def test_dry_run_plan(tmp_path: Path) -> None:
     by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:4]}
     assert by_mode["stock_eager"]["enforce_eager"] is True
     assert "compilation_config" not in by_mode["stock_graphs"]
-    assert by_mode["stock_full_decode"]["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert by_mode["stock_full_decode"]["compilation_config"] == {
+        "cudagraph_mode": "FULL_DECODE_ONLY"
+    }
     assert by_mode["stock_full_decode_nc"]["compilation_config"] == {
-        "mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}
+        "mode": "NONE",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+    }
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm_moe_graphs") is not None
-                    and hasattr(__import__("vllm_moe_graphs"), "benchmark_llm_kwargs"),
-                    reason="the plugin hook exists now")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm_moe_graphs") is not None
+    and hasattr(__import__("vllm_moe_graphs"), "benchmark_llm_kwargs"),
+    reason="the plugin hook exists now",
+)
 def test_plugin_modes_absent_until_the_hook_exists() -> None:
     for name in ("plugin_eager", "plugin_graphs"):
         availability = MODES[name].available()
@@ -120,7 +154,20 @@ def test_plugin_modes_absent_until_the_hook_exists() -> None:
             MODES[name].llm_kwargs({})
 
 
+def test_time_budget_deadlines() -> None:
+    eager, graphs, nc = MODES["stock_eager"], MODES["stock_graphs"], MODES["stock_full_decode_nc"]
+    hard, first, soft = sweep.deadlines(0.0, 480.0, eager, [graphs, nc])
+    weights = eager.budget_weight + graphs.budget_weight + nc.budget_weight
+    assert hard == 480.0
+    assert soft == pytest.approx(480.0 * eager.budget_weight / weights)
+    assert first == 480.0 - graphs.startup_estimate_s - nc.startup_estimate_s  # > soft here
+    assert eager.budget_weight > nc.budget_weight  # eager steps cost ~10x: a bigger share
+    why = sweep.deadlines(470.0, 480.0, graphs, [])
+    assert isinstance(why, str) and why.startswith("time budget: 10 s left")
+
+
 # --- floor byte model -----------------------------------------------------------------------
+
 
 def test_floor_bytes_qwen3_0_6b() -> None:
     # Hand check, b1 c512. Per layer: q 1024*2048 + k,v 2*1024*1024 + o 2048*1024 = 6,291,456;
@@ -177,17 +224,36 @@ def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
 
 # --- rows, ratios, merge ----------------------------------------------------------------------
 
+
 def _row(model: str, batch: int, context: int, mode: str, p50: float) -> dict:
-    return {"model": model, "batch": batch, "context": context, "mode": mode,
-            "tpot_ms_p50": p50, "tpot_ms_p10": p50 * 0.9, "tpot_ms_p90": p50 * 1.1,
-            "startup_s": 10.0, "capture_s": 2.0, "graph_mem_mib": 100.0, "floor_ms": 0.5,
-            "pct_of_floor": round(50 / p50, 2), "num_layers": 28, "noisy": False}
+    return {
+        "model": model,
+        "batch": batch,
+        "context": context,
+        "mode": mode,
+        "tpot_ms_p50": p50,
+        "tpot_ms_p10": p50 * 0.9,
+        "tpot_ms_p90": p50 * 1.1,
+        "startup_s": 10.0,
+        "capture_s": 2.0,
+        "graph_mem_mib": 100.0,
+        "floor_ms": 0.5,
+        "pct_of_floor": round(50 / p50, 2),
+        "num_layers": 28,
+        "noisy": False,
+    }
 
 
 def test_ratio_keys_and_values() -> None:
-    rows = [_row("qwen3-0.6b", 1, 512, m, v) for m, v in (
-        ("stock_eager", 30.0), ("stock_graphs", 2.5), ("stock_full_decode", 2.4),
-        ("stock_full_decode_nc", 2.0))]
+    rows = [
+        _row("qwen3-0.6b", 1, 512, m, v)
+        for m, v in (
+            ("stock_eager", 30.0),
+            ("stock_graphs", 2.5),
+            ("stock_full_decode", 2.4),
+            ("stock_full_decode_nc", 2.0),
+        )
+    ]
     rows.append(_row("qwen3-0.6b", 8, 4096, "stock_eager", 28.0))  # nothing to compare with
     ratios = report.compute_ratios(rows)
     at = "/qwen3-0.6b/b1/c512"
@@ -200,13 +266,22 @@ def test_ratio_keys_and_values() -> None:
         f"tpot_stock_eager_over_stock_graphs{at}": 12.0,
         f"tpot_stock_eager_over_stock_full_decode{at}": 12.5,
     }
-    key_re = re.compile(r"^tpot_([a-z_]+)_over_([a-z_]+)/(qwen3-0\.6b|qwen3-8b|qwen3-30b-a3b)/b\d+/c\d+$")
+    key_re = re.compile(
+        r"^tpot_([a-z_]+)_over_([a-z_]+)/(qwen3-0\.6b|qwen3-8b|qwen3-30b-a3b)/b\d+/c\d+$"
+    )
     assert all(key_re.match(k) for k in ratios)
 
 
 def test_ratios_with_plugin_rows() -> None:
-    rows = [_row("qwen3-30b-a3b", 32, 4096, m, v) for m, v in (
-        ("stock_eager", 40.0), ("stock_graphs", 8.0), ("plugin_eager", 41.0), ("plugin_graphs", 5.0))]
+    rows = [
+        _row("qwen3-30b-a3b", 32, 4096, m, v)
+        for m, v in (
+            ("stock_eager", 40.0),
+            ("stock_graphs", 8.0),
+            ("plugin_eager", 41.0),
+            ("plugin_graphs", 5.0),
+        )
+    ]
     ratios = report.compute_ratios(rows)
     at = "/qwen3-30b-a3b/b32/c4096"
     assert ratios[f"tpot_stock_eager_over_stock_graphs{at}"] == 5.0
@@ -223,10 +298,19 @@ def test_percentile_and_build_rows() -> None:
     with pytest.raises(ValueError):
         report.percentile([], 50)
     steps = [float(v) for v in range(1, 101)]
-    result = WorkerResult(model="qwen3-0.6b", mode="stock_graphs", status="ok", startup_s=66.0,
-                          capture_s=5.5, graph_mem_mib=300.0, resolved={"cudagraph_mode": "FULL_AND_PIECEWISE"},
-                          points=[PointResult(1, 512, step_ms=steps, repeat_p50_ms=[50.5], repeats_done=1),
-                                  PointResult(8, 512, error="boom")])
+    result = WorkerResult(
+        model="qwen3-0.6b",
+        mode="stock_graphs",
+        status="ok",
+        startup_s=66.0,
+        capture_s=5.5,
+        graph_mem_mib=300.0,
+        resolved={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+        points=[
+            PointResult(1, 512, step_ms=steps, repeat_p50_ms=[50.5], repeats_done=1),
+            PointResult(8, 512, error="boom"),
+        ],
+    )
     (row,) = report.build_rows(result, _shape("qwen3-0.6b"), bandwidth_gbps=4300.0)
     assert (row.tpot_ms_p10, row.tpot_ms_p50, row.tpot_ms_p90) == (10.9, 50.5, 90.1)
     assert row.floor_bytes == 1_250_822_144
@@ -236,23 +320,39 @@ def test_percentile_and_build_rows() -> None:
 
 
 def test_merge_recomputes_everything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    a_rows = [_row("qwen3-0.6b", 1, 512, "stock_eager", 30.0), _row("qwen3-0.6b", 1, 512, "stock_graphs", 2.5)]
-    b_rows = [_row("qwen3-0.6b", 1, 512, "stock_graphs", 3.0),  # re-measured: B wins
-              _row("qwen3-8b", 1, 512, "stock_full_decode_nc", 4.0),
-              _row("qwen3-8b", 1, 512, "stock_eager", 32.0)]
+    a_rows = [
+        _row("qwen3-0.6b", 1, 512, "stock_eager", 30.0),
+        _row("qwen3-0.6b", 1, 512, "stock_graphs", 2.5),
+    ]
+    b_rows = [
+        _row("qwen3-0.6b", 1, 512, "stock_graphs", 3.0),  # re-measured: B wins
+        _row("qwen3-8b", 1, 512, "stock_full_decode_nc", 4.0),
+        _row("qwen3-8b", 1, 512, "stock_eager", 32.0),
+    ]
     env_a = {"gpu_name": "NVIDIA H200", "layers": {"qwen3-0.6b": 28}, "vllm": "0.26.0"}
     env_b = {"gpu_name": "NVIDIA H200", "layers": {"qwen3-8b": 36}, "vllm": "0.26.0"}
     absent = {"plugin_graphs": "not implemented yet"}
     doc_a = report.assemble("a", env_a, a_rows, absent, [], [])
-    doc_b = report.assemble("b", env_b, b_rows, absent,
-                            [{"model": "qwen3-8b", "mode": "stock_graphs", "error": "OOM"}], [])
+    doc_b = report.assemble(
+        "b",
+        env_b,
+        b_rows,
+        absent,
+        [{"model": "qwen3-8b", "mode": "stock_graphs", "error": "OOM"}],
+        [],
+    )
     pa, pb = report.write(doc_a, tmp_path), report.write(doc_b, tmp_path)
-    rc = decode.main(["merge", str(pa), str(pb), "--name", "ab", "--results-dir", str(tmp_path), "--no-plot"])
+    rc = decode.main(
+        ["merge", str(pa), str(pb), "--name", "ab", "--results-dir", str(tmp_path), "--no-plot"]
+    )
     assert rc == 0
     merged = json.loads((tmp_path / "ab.json").read_text())
     assert merged["name"] == "ab" and len(merged["rows"]) == 4
     assert merged["env"]["layers"] == {"qwen3-0.6b": 28, "qwen3-8b": 36}
-    assert merged["env"]["gpu_name"] == "NVIDIA H200" and merged["env"]["merged_from"] == [str(pa), str(pb)]
+    assert merged["env"]["gpu_name"] == "NVIDIA H200" and merged["env"]["merged_from"] == [
+        str(pa),
+        str(pb),
+    ]
     assert merged["absent"] == absent
     assert merged["ratios"] == {
         "tpot_stock_eager_over_stock_graphs/qwen3-0.6b/b1/c512": 10.0,
@@ -264,19 +364,23 @@ def test_merge_recomputes_everything(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert out[-1].startswith("failed  qwen3-8b stock_graphs")  # the table comes last
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert decode.main(["merge", str(bad), "--name", "x", "--results-dir", str(tmp_path)]) == decode.EXIT_USAGE
+    assert (
+        decode.main(["merge", str(bad), "--name", "x", "--results-dir", str(tmp_path)])
+        == decode.EXIT_USAGE
+    )
 
 
 # --- worker pieces --------------------------------------------------------------------------
 
+
 def test_log_tap_reads_vllm_capture_record() -> None:
-    tap = worker.VllmLogTap()
+    tap = vllm_facts.VllmLogTap()
     logger = logging.getLogger("vllm.test_benchmark_harness")
     logger.addHandler(tap)
     logger.setLevel(logging.INFO)
     try:
-        logger.info(worker.CAPTURE_MSG, 7.6, 0.3125)
-        logger.info(worker.INIT_MSG_PREFIX + " %.2f s", 61.25)
+        logger.info(vllm_facts.CAPTURE_MSG, 7.6, 0.3125)
+        logger.info(vllm_facts.INIT_MSG_PREFIX + " %.2f s", 61.25)
     finally:
         logger.removeHandler(tap)
     assert tap.capture_s == 7.6 and tap.graph_mem_gib == 0.3125 and tap.captures == 1
@@ -287,30 +391,41 @@ def test_log_tap_reads_vllm_capture_record() -> None:
 def test_capture_message_is_vllms_own() -> None:
     root = Path(importlib.util.find_spec("vllm").origin).parent  # no import of vLLM
     for rel in ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"):
-        assert f'"{worker.CAPTURE_MSG}"' in (root / rel).read_text(), rel
-    assert worker.INIT_MSG_PREFIX in (root / "v1/engine/core.py").read_text()
+        assert f'"{vllm_facts.CAPTURE_MSG}"' in (root / rel).read_text(), rel
+    assert vllm_facts.INIT_MSG_PREFIX in (root / "v1/engine/core.py").read_text()
 
 
 class _Engine:
-    """Minimal stand-in for LLMEngine's add_request/step/has_unfinished_requests/abort_request,
-    with chunked prefill: decodes first, then prefill chunks within the token budget."""
+    """Stand-in for LLMEngine's add_request/step/has_unfinished_requests/abort_request with
+    chunked prefill (decodes first, then prefill chunks within the token budget). With `lag`, a
+    step returns the previous batch's outputs, as async scheduling (batch queue of 2) does."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget, self.reqs, self.steps = budget, {}, 0
+    def __init__(self, budget: int, lag: bool) -> None:
+        self.budget, self.lag, self.reqs, self.held = budget, lag, {}, []
+        self.prefill_sleep_s = 0.05
 
     def add_request(self, rid: str, prompt: dict, params: SimpleNamespace) -> str:
-        self.reqs[rid] = {"left": len(prompt["prompt_token_ids"]), "out": 0, "max": params.max_tokens}
+        self.reqs[rid] = {
+            "left": len(prompt["prompt_token_ids"]),
+            "out": 0,
+            "max": params.max_tokens,
+        }
         return rid + "-x"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.reqs)
+        return bool(self.reqs or self.held)
 
     def abort_request(self, ids: list[str]) -> None:
         for rid in ids:
             self.reqs.pop(rid, None)
 
     def step(self) -> list[SimpleNamespace]:
-        self.steps += 1
+        if not self.lag:
+            return self._schedule()
+        out, self.held = self.held, (self._schedule() if self.reqs else [])
+        return out
+
+    def _schedule(self) -> list[SimpleNamespace]:
         budget, new = self.budget, {}
         for rid, r in self.reqs.items():
             if r["left"] == 0:
@@ -321,58 +436,141 @@ class _Engine:
                 r["left"], budget = r["left"] - take, budget - take
                 if r["left"] == 0:
                     new[rid] = 1
+                time.sleep(self.prefill_sleep_s)  # prefill is slow: it must never be timed
         outs = []
         for rid, n in new.items():
             self.reqs[rid]["out"] += n
             done = self.reqs[rid]["out"] >= self.reqs[rid]["max"]
-            outs.append(SimpleNamespace(request_id=rid, finished=done,
-                                        outputs=[SimpleNamespace(token_ids=[0] * n)]))
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[0] * n)]
+                )
+            )
             if done:
                 del self.reqs[rid]
         return outs
 
 
-def test_run_point_times_decode_only_steps() -> None:
-    engine = _Engine(budget=1000)
+@pytest.mark.parametrize("lag", [False, True], ids=["sync", "async-scheduling"])
+def test_run_point_times_decode_only_steps(lag: bool) -> None:
+    engine = _Engine(budget=1000, lag=lag)
     llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
-    spec = WorkerSpec(model="m", config_dir="", mode="stock_eager", llm_kwargs={}, env={},
-                      batches=[4], contexts=[600], repeats=1, decode_tokens=20, warmup_steps=3,
-                      vocab_size=100, seed=0, result_path="")
-    resolved = {"max_num_batched_tokens": 1000, "max_model_len": 700, "num_gpu_blocks": 200,
-                "block_size": 16}
+    spec = WorkerSpec(
+        model="m",
+        config_dir="",
+        mode="stock_eager",
+        llm_kwargs={},
+        env={},
+        batches=[4],
+        contexts=[600],
+        repeats=1,
+        decode_tokens=20,
+        warmup_steps=0,
+        vocab_size=100,
+        seed=0,
+        result_path="",
+    )
+    resolved = {
+        "max_num_batched_tokens": 1000,
+        "max_model_len": 700,
+        "num_gpu_blocks": 200,
+        "block_size": 16,
+    }
+    calls = []
+    real_step = engine.step
+
+    def step() -> list[SimpleNamespace]:
+        outs = real_step()
+        calls.append({o.request_id: len(o.outputs[0].token_ids) for o in outs})
+        return outs
+
+    engine.step = step
     steps, prefill_s = worker.run_point(
-        llm, spec, 4, 600, "t", random.Random(0), resolved,
+        llm,
+        spec,
+        4,
+        600,
+        "t",
+        random.Random(0),
+        resolved,
         make_params=lambda n: SimpleNamespace(max_tokens=n),
-        make_prompt=lambda ids: {"prompt_token_ids": ids})
-    assert len(steps) == 20 and all(s >= 0 for s in steps) and prefill_s >= 0
-    assert not engine.reqs  # every request finished
+        make_prompt=lambda ids: {"prompt_token_ids": ids},
+    )
+    assert len(steps) == 20 and all(s >= 0 for s in steps)
+    assert max(steps) < 25, steps  # no step that scheduled a prefill chunk (50 ms) was timed
+    assert prefill_s >= 0.1
+    assert not engine.has_unfinished_requests()
+    first_full = next(i for i, c in enumerate(calls) if len(c) == 4)
+    assert first_full >= 2 + lag  # 2400 prompt tokens in chunks of <= 1000: mixed steps first
     resolved["num_gpu_blocks"] = 10  # 160 tokens of KV cannot hold 4 x 600
     with pytest.raises(RuntimeError, match="KV cache holds 160 tokens"):
-        worker.run_point(llm, spec, 4, 600, "u", random.Random(0), resolved,
-                         make_params=lambda n: SimpleNamespace(max_tokens=n),
-                         make_prompt=lambda ids: {"prompt_token_ids": ids})
+        worker.run_point(
+            llm,
+            spec,
+            4,
+            600,
+            "u",
+            random.Random(0),
+            resolved,
+            make_params=lambda n: SimpleNamespace(max_tokens=n),
+            make_prompt=lambda ids: {"prompt_token_ids": ids},
+        )
 
 
 def test_decode_intervals_and_spec_order() -> None:
-    assert worker.decode_intervals([[0.0, 0.001, 0.003], [], [1.0, 1.002]]) == pytest.approx([1.0, 2.0, 2.0])
-    spec = WorkerSpec(model="m", config_dir="", mode="x", llm_kwargs={}, env={}, batches=[1, 8, 32, 64],
-                      contexts=[512, 4096], repeats=1, decode_tokens=1, warmup_steps=0,
-                      vocab_size=1, seed=0, result_path="")
+    assert worker.decode_intervals([[0.0, 0.001, 0.003], [], [1.0, 1.002]]) == pytest.approx(
+        [1.0, 2.0, 2.0]
+    )
+    spec = WorkerSpec(
+        model="m",
+        config_dir="",
+        mode="x",
+        llm_kwargs={},
+        env={},
+        batches=[1, 8, 32, 64],
+        contexts=[512, 4096],
+        repeats=1,
+        decode_tokens=1,
+        warmup_steps=0,
+        vocab_size=1,
+        seed=0,
+        result_path="",
+    )
     assert spec.points()[:3] == [(1, 512), (1, 4096), (8, 512)] and spec.points()[-1] == (64, 4096)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The slowest test here (~10 s: imports vLLM): vLLM 0.26 takes every kwarg of every mode."""
+def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
+    """The slowest test here (~10 s: a subprocess imports vLLM, with VLLM_PLUGINS= so no plugin
+    loads): vLLM 0.26 accepts every kwarg and config key of every stock mode, and our check
+    rejects a misspelt compilation_config key."""
     args = decode.run_parser().parse_args(["--models", "qwen3-0.6b", "--dry-run"])
-    specs, _, _, _ = decode.plan(args, tmp_path)
-    for spec in specs:
-        for key, value in spec.env.items():
-            monkeypatch.setenv(key, value)
-        checked = worker.validate(spec)
+    specs, _, _, _ = sweep.plan(args, tmp_path)
+    bad = dataclasses.replace(
+        specs[0],
+        mode="misspelt",
+        llm_kwargs={**specs[0].llm_kwargs, "compilation_config": {"cuda_graph_mode": "FULL"}},
+    )
+    paths = []
+    for i, spec in enumerate([*specs, bad]):
+        paths.append(tmp_path / f"spec{i}.json")
+        paths[-1].write_text(json.dumps(dataclasses.asdict(spec)))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks._mode_worker", "--validate", *map(str, paths)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **specs[0].env},
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [x["mode"] for x in lines] == [s.mode for s in specs] + ["misspelt"]
+    for checked in lines[:-1]:
         assert checked["attention_backend"] == "TRITON_ATTN" and checked["load_format"] == "dummy"
-    assert worker.validate(specs[-1])["compilation_mode"] == "NONE"
-    bad = dataclasses.replace(specs[0], llm_kwargs={**specs[0].llm_kwargs,
-                                                    "compilation_config": {"cuda_graph_mode": "FULL"}})
-    with pytest.raises(ValueError, match="compilation_config.cuda_graph_mode"):
-        worker.validate(bad)
+        assert checked["enable_prefix_caching"] is False and checked["max_num_seqs"] == 64
+    by_mode = {x["mode"]: x for x in lines}
+    assert by_mode["stock_eager"]["enforce_eager"] is True
+    assert by_mode["stock_full_decode"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert by_mode["stock_full_decode_nc"]["compilation_mode"] == "NONE"
+    assert "compilation_config.cuda_graph_mode" in lines[-1]["error"]

@@ -14,7 +14,8 @@
 #   $OUT/<name>.json, .png    the benchmark result and plot (name from --name, default "decode")
 #   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
 #   $OUT/nvidia-smi.txt       the GPU at the end
-# Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1.
+# Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, and
+# BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit).
 set -uo pipefail
 T0=$(date +%s)
 GUARD_S=${RUN_GUARD_S:-555}

@@ -1,0 +1,341 @@
+"""The sweep behind `benchmarks.decode`: plan the workers, run them one by one within the time
+budget, and describe the environment. No torch, no vLLM here: those live in the worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from benchmarks.modes import MODES, Mode, common_llm_kwargs, parse_modes
+from benchmarks.protocol import (
+    SLACK_STEPS,
+    WorkerResult,
+    WorkerSpec,
+    result_from_json,
+    spec_to_json,
+    write_json_atomic,
+)
+from benchmarks.shapes import REPO_ROOT, ModelShape, prepare_config_dir, read_config
+
+RESERVE_S = 15.0  # kept back from --time-budget-s for writing the JSON, plot and table
+KILL_GRACE_S = 5.0
+MIN_MEASURE_S = 10.0  # a mode starts only if its start-up estimate plus this fits the budget
+
+
+def gpu_problem() -> str | None:
+    """Why no NVIDIA GPU is usable here, or None. Cheap: no torch, no vLLM, no CUDA init."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/proc/driver/nvidia/version"):
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and "GPU" in out.stdout:
+                return None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "no NVIDIA GPU found (no /dev/nvidia*, no /proc/driver/nvidia, no working nvidia-smi)"
+
+
+def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: int) -> int:
+    """Longest prompt + timed and warm-up steps + the decode tokens early requests get while the
+    batch is still prefilling (chunks of >= 8192 tokens) + margin, rounded up to 16."""
+    prefill_steps = math.ceil(max(batches) * max(contexts) / 8192) + 1
+    need = max(contexts) + warmup + decode + prefill_steps + SLACK_STEPS + 16
+    return -(-need // 16) * 16
+
+
+def plan(
+    args: argparse.Namespace, work_dir: Path
+) -> tuple[list[WorkerSpec], dict[str, str], dict[str, int], dict[str, ModelShape]]:
+    modes = parse_modes(args.modes)
+    absent = {m.name: m.available().text() for m in modes if not m.available().ok}
+    runnable: list[Mode] = [m for m in modes if m.name not in absent]
+    specs, layers, shapes = [], {}, {}
+    mml = max_model_len(args.contexts, args.batches, args.decode_tokens, args.warmup_steps)
+    for model in args.models:
+        config_dir, layers[model] = prepare_config_dir(model, args.num_layers, work_dir)
+        cfg = read_config(config_dir)
+        shapes[model] = ModelShape.from_config(cfg)
+        common = common_llm_kwargs(
+            config_dir=str(config_dir),
+            max_num_seqs=max(args.batches),
+            max_model_len=mml,
+            seed=args.seed,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        for mode in runnable:
+            specs.append(
+                WorkerSpec(
+                    model=model,
+                    config_dir=str(config_dir),
+                    mode=mode.name,
+                    llm_kwargs=mode.llm_kwargs(common),
+                    env=mode.worker_env(),
+                    batches=args.batches,
+                    contexts=args.contexts,
+                    repeats=args.repeats,
+                    decode_tokens=args.decode_tokens,
+                    warmup_steps=args.warmup_steps,
+                    vocab_size=int(cfg["vocab_size"]),
+                    seed=args.seed,
+                    result_path=str(work_dir / f"result-{model}-{mode.name}.json"),
+                )
+            )
+    return specs, absent, layers, shapes
+
+
+def _pump(stream: TextIO, log: TextIO) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if line.startswith("[bench]"):
+            print("  " + line.rstrip(), flush=True)
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> None:
+    """End the worker's process group (the worker and whatever it started), if anything is left.
+
+    The group id is the worker's pid (start_new_session=True), so only processes it started."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if sig is signal.SIGTERM:
+            time.sleep(0.5)  # give the rest of the group its moment before SIGKILL
+
+
+def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float) -> tuple[WorkerResult, str | None]:
+    """Run one worker to completion or `limit_s`; returns its result and a run-level error."""
+    stem = f"{spec.model}-{spec.mode}"
+    spec_path, log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
+    write_json_atomic(spec_path, spec_to_json(spec))
+    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._mode_worker", str(spec_path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: compile helpers die with it
+        )
+        assert proc.stdout is not None, "Popen with stdout=PIPE has a stdout"
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
+        pump.start()
+        killed = False
+        try:
+            proc.wait(timeout=max(1.0, limit_s))
+        except subprocess.TimeoutExpired:
+            killed = True
+        finally:  # also on KeyboardInterrupt: never leave a worker behind
+            _stop_group(proc)
+        pump.join(timeout=5)
+    elapsed = time.monotonic() - t0
+    try:
+        result = result_from_json(json.loads(Path(spec.result_path).read_text()))
+    except (OSError, json.JSONDecodeError, TypeError) as exc:
+        result = WorkerResult(
+            model=spec.model, mode=spec.mode, status="failed", error=f"no result file ({exc})"
+        )
+    error = None
+    if killed:
+        error = (
+            f"killed at its time limit after {elapsed:.0f} s (worker status was "
+            f"{result.status!r}); points measured before are kept"
+        )
+    elif result.status in ("starting", "running"):
+        error = (
+            f"worker exited with code {proc.returncode} before finishing (status {result.status!r})"
+        )
+    elif result.status == "failed":
+        error = result.error or "failed"
+    if error:
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        print(f"  worker log tail ({log_path}):\n    " + "\n    ".join(tail), flush=True)
+    return result, error
+
+
+def environment(
+    args: argparse.Namespace,
+    results: list[WorkerResult],
+    layers: dict[str, int],
+    bandwidths: list[float],
+) -> dict[str, Any]:
+    versions = next((r.versions for r in results if r.versions), {})
+
+    def version(pkg: str) -> str:
+        if pkg in versions:
+            return versions[pkg]
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    gpu, driver = versions.get("gpu", "unknown"), "unknown"
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            if out.returncode == 0 and out.stdout.strip():
+                gpu, driver = (s.strip() for s in out.stdout.splitlines()[0].split(",", 1))
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+    return {
+        "gpu_name": gpu,
+        "driver": driver,
+        "cuda": versions.get("cuda", "unknown"),
+        "torch": version("torch"),
+        "vllm": version("vllm"),
+        "triton": version("triton"),
+        "python": versions.get("python", platform.python_version()),
+        "git_commit": _git_commit(),
+        "source_digest": source_digest(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "layers": layers,
+        "hbm_bandwidth_gbps": round(statistics.median(bandwidths), 1) if bandwidths else None,
+        "hbm_bandwidth_samples_gbps": [round(b, 1) for b in bandwidths],
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+
+
+def _git_commit() -> str:
+    """HEAD (+dirty), else $BENCH_GIT_COMMIT (the device copy of the repo has no .git: pass it
+    in the device command), else "unknown"."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    given = os.environ.get("BENCH_GIT_COMMIT", "").strip()
+    return f"{given} (from BENCH_GIT_COMMIT)" if given else "unknown (no git checkout here)"
+
+
+def source_digest() -> str:
+    """sha256 (16 hex) of the Python sources of vllm_moe_graphs/ and benchmarks/: names the code
+    that ran even where there is no git."""
+    digest = hashlib.sha256()
+    for path in sorted(REPO_ROOT.glob("vllm_moe_graphs/**/*.py")) + sorted(
+        REPO_ROOT.glob("benchmarks/*.py")
+    ):
+        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def deadlines(
+    now: float, t_end: float, mode: Mode, later: list[Mode]
+) -> tuple[float, float, float] | str:
+    """(hard, first_pass, soft) deadlines of a worker started `now`, or why it must not start.
+
+    soft: its weighted share of what is left (start-up + measuring, see Mode.budget_weight) ends
+    repeats 2 and up; first_pass: repeat 1 may run until only the later modes' start-up estimates
+    remain; hard: the run's end (the worker always tries one point before it)."""
+    left = t_end - now
+    if left < mode.startup_estimate_s + MIN_MEASURE_S:
+        return (
+            f"time budget: {left:.0f} s left < start-up estimate {mode.startup_estimate_s:.0f} s "
+            f"+ {MIN_MEASURE_S:.0f} s"
+        )
+    weights = [m.budget_weight for m in [mode, *later]]
+    soft = now + left * weights[0] / sum(weights)
+    first_pass = max(soft, t_end - sum(m.startup_estimate_s for m in later))
+    return t_end, first_pass, soft
+
+
+def execute(
+    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
+) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run every worker in order; returns (results, failures, skipped)."""
+    results: list[WorkerResult] = []
+    failures: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i, spec in enumerate(specs):
+        now = time.time()
+        later = specs[i + 1 :]
+        if t_end is not None:
+            budget = deadlines(now, t_end, MODES[spec.mode], [MODES[s.mode] for s in later])
+            if isinstance(budget, str):
+                print(f"[decode] skip {spec.model} {spec.mode}: {budget}", flush=True)
+                skipped.append(
+                    {"model": spec.model, "mode": spec.mode, "points": "all", "reason": budget}
+                )
+                continue
+            spec.hard_deadline, spec.first_pass_deadline, spec.soft_deadline = budget
+        limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now + KILL_GRACE_S)
+        left_txt = "" if t_end is None else f", {t_end - now:.0f} s of budget left"
+        print(f"[decode] {i + 1}/{len(specs)} {spec.model} {spec.mode}{left_txt}", flush=True)
+        result, error = run_worker(spec, work_dir, limit)
+        results.append(result)
+        if error:
+            failures.append(
+                {
+                    "model": spec.model,
+                    "mode": spec.mode,
+                    "error": error,
+                    "log": str(work_dir / f"log-{spec.model}-{spec.mode}.txt"),
+                }
+            )
+        for p in result.points:
+            if p.error:
+                failures.append(
+                    {
+                        "model": spec.model,
+                        "mode": spec.mode,
+                        "batch": p.batch,
+                        "context": p.context,
+                        "error": p.error,
+                    }
+                )
+        skipped += [{"model": spec.model, "mode": spec.mode, **s} for s in result.skipped]
+        print(
+            f"[decode] {spec.model} {spec.mode}: {result.status}, "
+            f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured",
+            flush=True,
+        )
+    return results, failures, skipped
