@@ -110,3 +110,11 @@ def test_reason_values_are_unique_snake_case():
     values = [r.value for r in Reason]
     assert len(values) == len(set(values))
     assert all(v.replace("_", "").isalpha() and v == v.lower() for v in values)
+
+
+def test_every_reason_documented():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "capability.md").read_text()
+    missing = [r.value for r in Reason if f"| `{r.value}` |" not in doc]
+    assert not missing, f"docs/capability.md lacks {missing}"
