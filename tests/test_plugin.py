@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,11 @@ from tests.serve_util import cpu_env
 
 
 def _python(code: str, env: dict[str, str] | None = None, timeout: float = 300):
+    """Run `code` in a fresh interpreter whose environment carries no MOE_GRAPHS_* variable
+    unless `env` says so (this test process may have loaded the plugin and exported its metrics
+    dir)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, env=env)
 

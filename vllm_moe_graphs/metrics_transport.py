@@ -50,22 +50,22 @@ class PluginCollector:
                 yield family
 
 
-_root_state: dict[int, PluginCollector] = {}
+_root_dir_by_pid: dict[int, str] = {}
+_published: set[tuple[int, int]] = set()  # (pid, id(registry)) with our collector on it
 
 
 def setup_root(registry: CollectorRegistry = REGISTRY) -> str:
-    """Create this run's metrics directory and publish it on `registry` (idempotent per
-    process). Returns the directory."""
+    """Create this run's metrics directory (once per process), export it for child processes
+    and publish it on `registry` (once per registry). Returns the directory."""
     pid = os.getpid()
-    existing = _root_state.get(pid)
-    if existing is not None:
-        return existing.directory
-    directory = tempfile.mkdtemp(prefix="moe_graphs_metrics_")
+    directory = _root_dir_by_pid.get(pid)
+    if directory is None:
+        directory = _root_dir_by_pid[pid] = tempfile.mkdtemp(prefix="moe_graphs_metrics_")
+        atexit.register(_cleanup, pid, directory)
     envs.set_internal("MOE_GRAPHS_METRICS_DIR", directory)
-    collector = PluginCollector(directory)
-    registry.register(collector)
-    _root_state[pid] = collector
-    atexit.register(_cleanup, pid, directory)
+    if (pid, id(registry)) not in _published:
+        registry.register(PluginCollector(directory))
+        _published.add((pid, id(registry)))
     return directory
 
 
