@@ -6,6 +6,13 @@ import os
 import pathlib
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU tensors; this must be set before any
+    # `@triton.jit` in vllm_moe_graphs.ops runs, whichever test module imports them first.
+    # Helpers that start vLLM in subprocesses drop it again (tests/serve_util.cpu_env).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CPU_VLLM = REPO / ".cpu-vllm"

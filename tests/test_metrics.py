@@ -66,6 +66,7 @@ def test_recorded_values_reach_the_files(tmp_path):
     rec.replay(5)
     rec.fallback(Reason.MIXED_BATCH)
     rec.capture_failure()
+    rec.record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
     text = _scrape(str(tmp_path))
     assert _value(text, "moe_graphs_info", version=metrics.__version__, mode="stock") == 1
     assert _value(text, "moe_graphs_info", version=metrics.__version__, mode="graphs") == 0
@@ -75,12 +76,16 @@ def test_recorded_values_reach_the_files(tmp_path):
     assert _value(text, "moe_graphs_replays_total", rank="3") == 5
     assert _value(text, "moe_graphs_eager_fallbacks_total", reason="mixed_batch", rank="3") == 1
     assert _value(text, "moe_graphs_capture_failures_total", rank="3") == 1
+    assert _value(text, "moe_graphs_invalidations_total", reason="storage_identity_changed",
+                  rank="3") == 1
 
 
 def test_label_values_bounded_by_enums(tmp_path):
     rec = MetricsRecorder(rank=0, directory=str(tmp_path))
     with pytest.raises(TypeError, match="capability.Reason"):
         rec.fallback("made_up_reason")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="capability.Reason"):
+        rec.record_invalidation("storage_identity_changed")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         rec.set_mode("turbo")  # type: ignore[arg-type]
     text = _scrape(str(tmp_path))

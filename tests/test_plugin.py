@@ -18,7 +18,8 @@ def _python(code: str, env: dict[str, str] | None = None, timeout: float = 300):
     unless `env` says so (this test process may have loaded the plugin and exported its metrics
     dir)."""
     if env is None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MOE_GRAPHS_") and k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, env=env)
 

@@ -43,6 +43,8 @@ METRICS: dict[str, str] = {
     "moe_graphs_captures_total": "CUDA graphs captured",
     "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined)",
     "moe_graphs_capture_seconds": "time to capture one CUDA graph",
+    "moe_graphs_invalidations_total": "times every captured graph was dropped (KV storage "
+    "identity change, unbind, reload), by reason",
     "moe_graphs_pool_bytes": "bytes held by the shared CUDA graph memory pool",
     "moe_graphs_scratch_bytes": "bytes of static input/output and scratch buffers used by graphs",
 }
@@ -119,6 +121,10 @@ class MetricsRecorder:
             self._capture_seconds = Histogram(
                 "moe_graphs_capture_seconds", METRICS["moe_graphs_capture_seconds"], ["rank"],
                 registry=None, buckets=_CAPTURE_BUCKETS).labels(r)
+            invalidations = Counter("moe_graphs_invalidations",
+                                    METRICS["moe_graphs_invalidations_total"], ["reason", "rank"],
+                                    registry=None)
+            self._invalidations = {x: invalidations.labels(x.value, r) for x in Reason}
             self._pool_bytes = Gauge("moe_graphs_pool_bytes", METRICS["moe_graphs_pool_bytes"],
                                      ["rank"], registry=None, multiprocess_mode="max").labels(r)
             self._scratch_bytes = Gauge(
@@ -147,6 +153,12 @@ class MetricsRecorder:
     def capture(self, seconds: float) -> None:
         self._captures.inc()
         self._capture_seconds.observe(seconds)
+
+    def record_invalidation(self, reason: Reason) -> None:
+        """`kv.storage.InvalidationSink`: the KV storage calls this once per invalidation."""
+        if not isinstance(reason, Reason):
+            raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
+        self._invalidations[reason].inc()
 
     def capture_failure(self) -> None:
         self._capture_failures.inc()

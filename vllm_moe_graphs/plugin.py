@@ -35,6 +35,12 @@ def register() -> None:
     from vllm_moe_graphs.integration.patch import apply_all
 
     wired = apply_all()
+    from vllm_moe_graphs.integration.attention_registry import register_attention_backend
+
+    try:
+        wired.append(f"attention backend CUSTOM -> {register_attention_backend()}")
+    except RuntimeError as exc:  # another plugin owns CUSTOM: serve on, without our backend
+        logger.warning("moe_graphs: %s", exc)
     if metrics_transport.is_root_process():
         metrics_transport.setup_root()
         wired.append("metrics collector on /metrics")

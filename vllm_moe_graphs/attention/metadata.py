@@ -1,0 +1,263 @@
+"""Attention metadata and its builder: the *plan* half of plan / run.
+
+Shape legend (as in `vllm_moe_graphs/ops/kv_write.py`): B = rows of the batch (requests; padded
+rows in FULL graphs), T = query tokens (padded), W = block-table width = cdiv(max_model_len, BS),
+S = split-K chunks, Hq = query heads, D = head size.
+
+`MoeGraphsMetadataBuilder.build()` runs on the host once per step (per KV-cache group), outside
+any captured region, and copies every per-step input the kernels read into buffers allocated
+once in `__init__` at the largest batch (max_num_seqs rows, W columns). Their addresses never
+change, so a CUDA graph captured over one step reads the next step's data after the next
+build(). build() fills all of them whichever kernel it picks, because a FULL graph replays the
+kernel it captured: vLLM may replay a mixed-batch graph for a decode-only step.
+
+Kernel choice (host ints only): `max_query_len == 1` -> paged_decode_attention over B rows, with
+`num_splits` a pure function of (B, context bucket, kv heads, SM count); any other batch ->
+paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+
+from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.ops import choose_num_splits, decode_workspace_shape
+from vllm_moe_graphs.ops.kv_write import check_block_size, check_head_size
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+# SM count used when the kernels run under the Triton interpreter on CPU tensors (tests): small,
+# so that the split-K path is exercised there too.
+INTERPRETER_NUM_SMS = 4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def context_buckets(configured: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
+    """The plugin's context buckets below max_model_len, then max_model_len itself."""
+    return tuple(b for b in configured if b < max_model_len) + (max_model_len,)
+
+
+def context_bucket(buckets: tuple[int, ...], max_seq_len: int) -> int:
+    """Smallest bucket holding `max_seq_len` (the last one when none does)."""
+    for bucket in buckets:
+        if max_seq_len <= bucket:
+            return bucket
+    return buckets[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeGraphsAttentionMetadata:
+    """Per-step attention inputs, shared by every layer of one attention group.
+
+    The tensors are views of the builder's persistent buffers (fixed addresses).
+    """
+
+    num_actual_tokens: int  # T: query rows the prefill kernel may read and write
+    num_reqs: int  # B: rows of seq_lens / block_table (padded rows have seq_len 0)
+    max_query_len: int  # host upper bound of the query lengths
+    max_seq_len: int  # host upper bound of the context lengths
+    decode: bool  # max_query_len == 1: paged_decode_attention, else paged_prefill_attention
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, W] int32
+    context_bucket: int  # longest context `num_splits` was planned for
+    num_splits: int  # S of the decode kernel (1: no split, no workspace)
+    workspace: torch.Tensor | None  # [B, Hq, S, D + 2] float32 when num_splits > 1
+
+
+class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetadata]):
+    """Plans one step: host work plus copies into persistent buffers; never syncs.
+
+    ALWAYS: every kernel launch depends only on shapes and host constants, and every tensor it
+    reads lives in a persistent buffer filled here, so decode-only, uniform (spec-decode) and
+    mixed prefill/decode batches can all be captured. Both runners key FULL graphs on (T, B), the
+    only shapes the launch grids depend on.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        model_config = vllm_config.model_config
+        parallel_config = vllm_config.parallel_config
+        _refuse_unsupported_spec(kv_cache_spec, vllm_config)
+
+        self.block_size = kv_cache_spec.block_size  # the kernel block size chosen by vLLM
+        self.head_size = kv_cache_spec.head_size
+        self.num_heads_kv = kv_cache_spec.num_kv_heads
+        self.num_heads_q = get_num_attention_heads_from_layers(
+            vllm_config, layer_names
+        ) or model_config.get_num_attention_heads(parallel_config)
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.max_model_len = model_config.max_model_len
+        self.max_blocks = _cdiv(self.max_model_len, self.block_size)
+        plugin = PluginConfig.from_additional_config(vllm_config.additional_config)
+        self.context_buckets = context_buckets(plugin.context_buckets, self.max_model_len)
+        self.num_sms = _num_sms(torch.device(device))
+
+        # NOTE: allocations happen here, once, never in build() or forward().
+        int32 = dict(dtype=torch.int32, device=device)
+        self._query_start_loc = torch.zeros(self.max_num_reqs + 1, **int32)  # [B_max + 1]
+        self._seq_lens = torch.zeros(self.max_num_reqs, **int32)  # [B_max]
+        self._block_table = torch.zeros(self.max_num_reqs, self.max_blocks, **int32)  # [B_max, W]
+        # Split-K workspace, flat: a step of B rows and S splits views its first B*Hq*S*(D+2)
+        # floats as [B, Hq, S, D + 2]. S shrinks as B grows, so the largest need is max_b b*S(b)
+        # rows, far less than max_num_seqs * max_splits.
+        self._workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------------- plan
+
+    def num_splits(self, num_reqs: int, bucket: int) -> int:
+        """Split-K factor of a decode step: a pure function of host constants."""
+        if num_reqs < 1:
+            return 1
+        return choose_num_splits(num_reqs, self.num_heads_kv, bucket, self.num_sms)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> MoeGraphsAttentionMetadata:
+        cm = common_attn_metadata
+        if common_prefix_len:
+            raise NotImplementedError(
+                f"cascade attention (common_prefix_len={common_prefix_len}) is not supported by "
+                "the vllm_moe_graphs attention backend (CUSTOM)"
+            )
+        if cm.causal is not True:
+            raise NotImplementedError(
+                "non-causal attention is not supported by the vllm_moe_graphs attention backend "
+                "(CUSTOM)"
+            )
+        num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
+        if num_reqs > self.max_num_reqs:
+            raise ValueError(
+                f"batch of {num_reqs} requests exceeds max_num_seqs={self.max_num_reqs}, the "
+                "size the attention metadata buffers were allocated for"
+            )
+        # NOTE: graph safety. Only device-to-device copies into the persistent buffers, enqueued
+        # on the current stream before the forward: no host read of device data, no allocation.
+        # The host ints (num_reqs, max_query_len, max_seq_len) come from the scheduler.
+        query_start_loc = self._query_start_loc[: num_reqs + 1]
+        query_start_loc.copy_(cm.query_start_loc[: num_reqs + 1], non_blocking=True)
+        seq_lens = self._seq_lens[:num_reqs]
+        seq_lens.copy_(cm.seq_lens[:num_reqs], non_blocking=True)
+        block_table = self._block_table[:num_reqs]
+        # Columns past cdiv(max_seq_len, BS) are never read for this step (max_seq_len bounds
+        # every seq_len), so only the leading ones are copied.
+        cols = min(
+            _cdiv(cm.max_seq_len, self.block_size), self.max_blocks, cm.block_table_tensor.shape[1]
+        )
+        if num_reqs > 0 and cols > 0:
+            block_table[:, :cols].copy_(cm.block_table_tensor[:num_reqs, :cols], non_blocking=True)
+
+        decode = cm.max_query_len == 1
+        bucket = context_bucket(self.context_buckets, cm.max_seq_len)
+        num_splits = self.num_splits(num_reqs, bucket) if decode else 1
+        return MoeGraphsAttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            decode=decode,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            context_bucket=bucket,
+            num_splits=num_splits,
+            workspace=self._workspace_view(num_reqs, num_splits) if num_splits > 1 else None,
+        )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> MoeGraphsAttentionMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        # Capture over the smallest valid context, seq_len = q_len (no cached prefix; 0 for
+        # padded rows), like TRITON_ATTN's seq_lens.fill_(1): what is captured depends only on
+        # shapes and host constants, and every replayed step copies its own lengths in build().
+        qsl = metadata.query_start_loc
+        torch.sub(qsl[1:], qsl[:-1], out=metadata.seq_lens)
+        return metadata
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _workspace_numel(self) -> int:
+        # The largest context gives the largest split count for every batch size.
+        need = 0
+        for batch in range(1, self.max_num_reqs + 1):
+            splits = self.num_splits(batch, self.max_model_len)
+            if splits > 1:
+                shape = decode_workspace_shape(batch, self.num_heads_q, self.head_size, splits)
+                need = max(need, shape[0] * shape[1] * shape[2] * shape[3])
+        return need
+
+    def _workspace_view(self, num_reqs: int, num_splits: int) -> torch.Tensor:
+        shape = decode_workspace_shape(num_reqs, self.num_heads_q, self.head_size, num_splits)
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        assert numel <= self._workspace.numel(), (
+            f"split-K workspace too small: need {shape}, have {self._workspace.numel()} floats"
+        )
+        return self._workspace[:numel].view(shape)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+def _refuse_unsupported_spec(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> None:
+    """NotImplementedError naming the setting, for what the KV-cache spec and config reveal."""
+    check_block_size(kv_cache_spec.block_size)
+    check_head_size(kv_cache_spec.head_size)
+    head_size_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
+    if head_size_v != kv_cache_spec.head_size:
+        raise NotImplementedError(
+            f"value head size {head_size_v} != key head size {kv_cache_spec.head_size} is not "
+            "supported by the vllm_moe_graphs attention backend (CUSTOM)"
+        )
+    for name in ("sliding_window", "attention_chunk_size"):
+        if getattr(kv_cache_spec, name, None) is not None:
+            raise NotImplementedError(
+                f"{name.replace('_', ' ')} ({name}={getattr(kv_cache_spec, name)}) is not "
+                "supported by the vllm_moe_graphs attention backend (CUSTOM)"
+            )
+    if getattr(kv_cache_spec, "non_causal", False):
+        raise NotImplementedError(
+            "non-causal attention is not supported by the vllm_moe_graphs attention backend "
+            "(CUSTOM)"
+        )
+    if getattr(vllm_config.model_config, "rswa_window", None) is not None:
+        raise NotImplementedError(
+            "reference sliding-window attention (rswa_window) is not supported by the "
+            "vllm_moe_graphs attention backend (CUSTOM)"
+        )
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise NotImplementedError(
+                f"{name}={size} (context parallelism) is not supported by the vllm_moe_graphs "
+                "attention backend (CUSTOM)"
+            )
