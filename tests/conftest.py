@@ -18,6 +18,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CPU_VLLM = REPO / ".cpu-vllm"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _triton_interpreter_active() -> None:
+    """Without a GPU the kernels must run under the interpreter: fail loudly if something made
+    `vllm_moe_graphs.ops` compile for real before TRITON_INTERPRET was set."""
+    if torch.cuda.is_available():
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from vllm_moe_graphs.ops import paged_decode
+
+    if not isinstance(paged_decode._paged_decode_kernel, InterpretedFunction):
+        raise pytest.UsageError(
+            "vllm_moe_graphs.ops was imported before TRITON_INTERPRET=1 was set and there is no "
+            "GPU: run with TRITON_INTERPRET=1 in the environment"
+        )
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     from tests.tiny_models import build_checkpoint

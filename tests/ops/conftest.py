@@ -31,19 +31,6 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _interpreter_active() -> None:
-    if torch.cuda.is_available():
-        return
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from vllm_moe_graphs.ops import paged_decode
-
-    if not isinstance(paged_decode._paged_decode_kernel, InterpretedFunction):
-        raise pytest.UsageError(
-            "vllm_moe_graphs.ops was imported before TRITON_INTERPRET=1 was set and there is no "
-            "GPU: run with TRITON_INTERPRET=1 in the environment"
-        )
 
 
 @pytest.fixture
