@@ -1,0 +1,48 @@
+"""Bucket picking: exact edges, one past an edge, past the last bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_bucket, pick_key
+
+BATCH = (1, 2, 4, 8)
+CONTEXT = (16, 64)
+
+
+@pytest.mark.parametrize("n, want", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, None)])
+def test_pick_bucket_edges(n, want):
+    assert pick_bucket(n, BATCH) == want
+
+
+@pytest.mark.parametrize("num_reqs, ctx, want", [
+    (1, 0, GraphKey(1, 16)),
+    (1, 16, GraphKey(1, 16)),
+    (3, 17, GraphKey(4, 64)),
+    (8, 64, GraphKey(8, 64)),
+    (9, 1, Reason.BATCH_TOO_LARGE),
+    (8, 65, Reason.CONTEXT_TOO_LONG),
+    (9, 65, Reason.BATCH_TOO_LARGE),  # batch is checked first
+])
+def test_pick_key(num_reqs, ctx, want):
+    assert pick_key(num_reqs, ctx, BATCH, CONTEXT) == want
+
+
+def test_pick_key_rejects_bad_input():
+    with pytest.raises(ValueError, match="num_reqs"):
+        pick_key(0, 1, BATCH, CONTEXT)
+    with pytest.raises(ValueError, match="max_context"):
+        pick_key(1, -1, BATCH, CONTEXT)
+
+
+def test_graph_key_is_hashable_and_frozen():
+    assert {GraphKey(1, 16): "a"}[GraphKey(1, 16)] == "a"
+    with pytest.raises(AttributeError):
+        GraphKey(1, 16).batch_bucket = 2  # type: ignore[misc]
+
+
+def test_all_keys_largest_batch_first():
+    keys = all_keys(BATCH, CONTEXT)
+    assert len(keys) == 8 and keys[0] == GraphKey(8, 64) and keys[-1] == GraphKey(1, 16)
+    assert [k.batch_bucket for k in keys] == sorted((k.batch_bucket for k in keys), reverse=True)

@@ -1,0 +1,53 @@
+"""Decode graph buckets: which captured graph a decode batch pads into.
+
+A graph is keyed by `GraphKey(batch_bucket, context_bucket)`: the padded batch size it was
+captured for and the longest context its attention plan covers. Pure functions over host ints;
+nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+from vllm_moe_graphs.capability import Reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class GraphKey:
+    """Identity of one captured decode graph; hashable, ordered (batch, then context)."""
+
+    batch_bucket: int
+    context_bucket: int
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket >= n, or None past the last one. `buckets` strictly increasing."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
+             context_buckets: Sequence[int]) -> GraphKey | Reason:
+    """The key a decode batch of `num_reqs` requests, longest sequence `max_context` tokens,
+    pads into; `Reason.BATCH_TOO_LARGE` / `Reason.CONTEXT_TOO_LONG` past the last bucket.
+    O(log B) over a handful of buckets: cheap enough for every step."""
+    if num_reqs < 1:
+        raise ValueError(f"num_reqs={num_reqs!r} must be >= 1")
+    if max_context < 0:
+        raise ValueError(f"max_context={max_context!r} must be >= 0")
+    batch = pick_bucket(num_reqs, batch_buckets)
+    if batch is None:
+        return Reason.BATCH_TOO_LARGE
+    context = pick_bucket(max_context, context_buckets)
+    if context is None:
+        return Reason.CONTEXT_TOO_LONG
+    return GraphKey(batch, context)
+
+
+def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tuple[GraphKey, ...]:
+    """Every key, largest batch first (the capture order that lets smaller graphs reuse the
+    shared pool's memory)."""
+    return tuple(sorted((GraphKey(b, c) for b in batch_buckets for c in context_buckets),
+                        reverse=True))

@@ -1,0 +1,377 @@
+"""`DecodeGraphRunner`: lazy capture and replay of decode CUDA graphs, with an eager fallback.
+
+Lifecycle: warmup -> capture -> replay -> invalidate -> close.
+
+    runner = DecodeGraphRunner(forward, config, storage=storage, kill_switch=ks, metrics=rec)
+    d = runner.decide(num_reqs, max_context, is_pure_decode)   # host only, before padding
+    # caller fills the static input buffers: real rows first, then padding up to d.batch_size
+    # (slot -1, seq_len 0)
+    out, d = runner.run(num_reqs, max_context, is_pure_decode, decision=d)  # [num_reqs, ...]
+    runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)   # drops graphs and the pool
+    runner.close()                                       # idempotent
+
+The runner owns neither inputs nor model: `forward(batch_size)` runs the model on the caller's
+static input buffers (the first `batch_size` rows) and returns the static output tensor. A key
+(see `buckets.GraphKey`) runs `warmup_steps` eager steps at its padded size, is then captured
+into the one shared memory pool and replayed from then on. Every graph remembers the KV storage
+generation it was captured under; replay first asks `storage.check_replay`. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from vllm_moe_graphs.capability import REMEDY, Reason
+from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
+from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.killswitch import KillSwitch
+    from vllm_moe_graphs.kv.storage import PagedKVStorage
+    from vllm_moe_graphs.metrics import MetricsRecorder
+
+logger = logging.getLogger("vllm.moe_graphs")  # under vLLM's log handler
+
+_MIB = 1 << 20
+
+Forward = Callable[[int], torch.Tensor]  # padded batch size -> static output [B, ...]
+
+
+class Action(str, enum.Enum):
+    REPLAY = "replay"
+    CAPTURE = "capture"  # capture now, then replay once for this step's output
+    EAGER = "eager"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """What one decode step does. `reason` is ELIGIBLE for REPLAY, CAPTURE and warm-up steps
+    (EAGER at the padded size, not a fallback); otherwise why the step runs eager."""
+
+    action: Action
+    key: GraphKey | None
+    reason: Reason
+    num_reqs: int
+
+    @property
+    def warming_up(self) -> bool:
+        return self.action is Action.EAGER and self.reason is Reason.ELIGIBLE
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the forward runs on: the padded bucket on graph paths and warm-up, else the
+        real rows (an eager fallback wastes no work on padding)."""
+        if self.key is not None and (self.action is not Action.EAGER or self.warming_up):
+            return self.key.batch_bucket
+        return self.num_reqs
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedGraph:
+    """What a capture function returns: `replay()` refills `output` (a static tensor)."""
+
+    replay: Callable[[], object]
+    output: torch.Tensor
+    pool_bytes: int  # bytes this capture added to the shared pool
+    release: Callable[[], None] = lambda: None  # frees the graph's hold on the pool
+
+
+class CaptureFn(Protocol):
+    def __call__(self, fn: Callable[[], torch.Tensor], pool: object,
+                 before_capture: Callable[[], None] | None) -> CapturedGraph: ...
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool: object,
+                 before_capture: Callable[[], None] | None) -> CapturedGraph:
+    """Capture `fn` into a `torch.cuda.CUDAGraph` on the shared `pool`, after one warm-up run on
+    a side stream (as PyTorch recommends: lazy inits, cuBLAS workspaces, allocator state)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    # torch.cuda.graph() empties the cache on entry; do it first so the reserved-bytes delta
+    # below is the pool's growth only.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    if before_capture is not None:
+        before_capture()  # e.g. the prefetch offloader's sync_prev_onload()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+    except BaseException:
+        # NOTE: when capture_end() raises, torch.cuda.graph leaves its capture stream current;
+        # restore ours so the eager fallback runs where the caller expects.
+        torch.cuda.set_stream(stream)
+        raise
+    torch.cuda.synchronize()
+    grown = max(0, torch.cuda.memory_reserved() - before)
+    return CapturedGraph(graph.replay, output, grown, graph.reset)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Graph:
+    graph: CapturedGraph
+    generation: int | None  # storage generation at capture; None without a storage
+
+
+class DecodeGraphRunner:
+    """Graphs keyed by `GraphKey`, one shared pool, per-key warm-up and quarantine.
+
+    `decide()` is host-only: a few dict lookups, two bisects over the bucket lists, the kill
+    switch's cached flag and the storage's O(1) `check_replay`/`proof()`; it reads no GPU value
+    and allocates nothing on the replay path.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        config: PluginConfig,
+        *,
+        storage: PagedKVStorage | None = None,
+        kill_switch: KillSwitch | None = None,
+        metrics: MetricsRecorder | None = None,
+        capture_fn: CaptureFn | None = None,
+        new_pool: Callable[[], object] | None = None,
+        before_capture: Callable[[], None] | None = None,
+        before_replay: Callable[[], None] | None = None,
+    ) -> None:
+        self._forward = forward
+        self.config = config
+        self._storage = storage
+        self._kill = kill_switch
+        self._metrics = metrics
+        self._before_capture = before_capture
+        self._before_replay = before_replay
+        if capture_fn is None:
+            capture_fn = cuda_capture
+            new_pool = new_pool or torch.cuda.graph_pool_handle
+            self._no_graphs = None if torch.cuda.is_available() else Reason.NO_CUDA
+        else:
+            self._no_graphs = None
+        self._capture_fn = capture_fn
+        self._new_pool = new_pool or object
+        self._budget_bytes = config.graph_memory_budget_mib * _MIB
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self._warm: dict[GraphKey, int] = {}  # eager warm-up steps seen per key
+        self._quarantined: dict[GraphKey, str] = {}  # key -> error; for the runner's life
+        self._pool: object | None = None
+        self._pool_bytes = 0
+        self._scratch_bytes = 0
+        self._closed = False
+        self._unsubscribe = (storage.on_invalidate(self._on_storage_invalidate)
+                             if storage is not None else None)
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def keys(self) -> tuple[GraphKey, ...]:
+        """Keys with a live graph, sorted."""
+        return tuple(sorted(self._graphs))
+
+    @property
+    def quarantined(self) -> frozenset[GraphKey]:
+        return frozenset(self._quarantined)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self._pool_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- plan ------------------------------------------------------------------------------------
+    def decide(self, num_reqs: int, max_context: int, is_pure_decode: bool) -> Decision:
+        """The per-batch decision (host ints only). A replay whose storage proof fails
+        invalidates every graph and runs eager with the storage's reason."""
+        self._check_open("decide")
+        if not is_pure_decode:
+            return Decision(Action.EAGER, None, Reason.MIXED_BATCH, num_reqs)
+        if self._kill is not None and self._kill.active():
+            return Decision(Action.EAGER, None, Reason.KILL_SWITCH, num_reqs)
+        key = pick_key(num_reqs, max_context, self.config.decode_batch_buckets,
+                       self.config.context_buckets)
+        if isinstance(key, Reason):
+            return Decision(Action.EAGER, None, key, num_reqs)
+        if self._no_graphs is not None:
+            return Decision(Action.EAGER, key, self._no_graphs, num_reqs)
+        entry = self._graphs.get(key)
+        if entry is not None:
+            if self._storage is not None:
+                proof = self._storage.check_replay(self._storage.owner_id, entry.generation)
+                if not proof.holds:
+                    self.invalidate(proof.reason, proof.detail)
+                    return Decision(Action.EAGER, key, proof.reason, num_reqs)
+            return Decision(Action.REPLAY, key, Reason.ELIGIBLE, num_reqs)
+        if key in self._quarantined:
+            return Decision(Action.EAGER, key, Reason.CAPTURE_FAILED, num_reqs)
+        if self._storage is not None and not (proof := self._storage.proof()).holds:
+            return Decision(Action.EAGER, key, proof.reason, num_reqs)
+        if self._pool_bytes >= self._budget_bytes:
+            return Decision(Action.EAGER, key, Reason.MEMORY_BUDGET, num_reqs)
+        if self._warm.get(key, 0) < self.config.warmup_steps:
+            return Decision(Action.EAGER, key, Reason.ELIGIBLE, num_reqs)  # warm-up
+        return Decision(Action.CAPTURE, key, Reason.ELIGIBLE, num_reqs)
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self, num_reqs: int, max_context: int, is_pure_decode: bool,
+            decision: Decision | None = None) -> tuple[torch.Tensor, Decision]:
+        """Run one decode step; returns the output's first `num_reqs` rows and the decision.
+        Pass the `decision` from `decide()` when the caller padded by it."""
+        self._check_open("run")
+        d = decision if decision is not None else self.decide(num_reqs, max_context,
+                                                              is_pure_decode)
+        assert d.num_reqs == num_reqs, f"decision for {d.num_reqs} rows used for {num_reqs}"
+        if d.action is Action.REPLAY:
+            out = self._replay(self._graphs[d.key].graph)
+        elif d.action is Action.CAPTURE:
+            graph = self._capture(d.key)
+            if graph is None:  # quarantined (policy QUARANTINE): this step runs eager
+                d = Decision(Action.EAGER, d.key, Reason.CAPTURE_FAILED, num_reqs)
+                out = self._forward(num_reqs)
+            else:
+                out = self._replay(graph)  # capture only records: replay for the output
+        elif d.warming_up:
+            out = self._forward(d.batch_size)
+            self._warm[d.key] = self._warm.get(d.key, 0) + 1
+        else:
+            out = self._forward(num_reqs)
+        if self._metrics is not None:  # after the step, never inside a captured region
+            if d.action is not Action.EAGER:
+                self._metrics.replay()
+            elif not d.warming_up:
+                self._metrics.fallback(d.reason)
+        return out[:num_reqs], d  # [num_reqs, ...]: padding rows never leave the runner
+
+    def precapture(self, keys: Iterable[GraphKey] | None = None,
+                   prepare: Callable[[GraphKey], None] | None = None) -> dict[GraphKey, Reason]:
+        """Capture `keys` (default: every bucket pair) at start-up, largest batch first.
+        `prepare(key)` fills the static buffers with a padded dummy batch for that key.
+        Returns key -> ELIGIBLE (captured or already live) or why it was not captured."""
+        self._check_open("precapture")
+        keys = all_keys(self.config.decode_batch_buckets, self.config.context_buckets) \
+            if keys is None else tuple(sorted(keys, reverse=True))
+        out: dict[GraphKey, Reason] = {}
+        for key in keys:
+            reason = self._capture_denied(key)
+            if reason is None:
+                if prepare is not None:
+                    prepare(key)
+                reason = Reason.ELIGIBLE if self._capture(key) else Reason.CAPTURE_FAILED
+            out[key] = reason
+        return out
+
+    def set_scratch_bytes(self, n: int) -> None:
+        """Bytes of the caller's static buffers and scratch (reported as metrics)."""
+        if n < 0:
+            raise ValueError(f"scratch bytes {n!r} must be >= 0")
+        self._scratch_bytes = n
+        self._record_memory()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def invalidate(self, reason: Reason, detail: str = "") -> None:
+        """Drop every graph and the pool (the next capture starts a new one); warm-up counts
+        restart. Quarantine survives. For KV identity changes, weight reload, sleep."""
+        if self._closed:
+            return
+        if self._graphs:
+            logger.info("moe_graphs: dropping %d decode graphs (%s%s)", len(self._graphs),
+                        reason.value, f": {detail}" if detail else "")
+        self._drop()
+        self._record_memory()
+
+    def close(self) -> None:
+        """Drop graphs and the pool, unsubscribe from the storage; idempotent."""
+        if self._closed:
+            return
+        self._drop()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._closed = True
+        self._record_memory()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _on_storage_invalidate(self, reason: Reason, detail: str) -> None:
+        self.invalidate(reason, detail)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"DecodeGraphRunner.{what}() after close(): create a new runner")
+
+    def _capture_denied(self, key: GraphKey) -> Reason | None:
+        if self._no_graphs is not None:
+            return self._no_graphs
+        if key in self._graphs:
+            return Reason.ELIGIBLE
+        if key in self._quarantined:
+            return Reason.CAPTURE_FAILED
+        if self._storage is not None and not (proof := self._storage.proof()).holds:
+            return proof.reason
+        if self._pool_bytes >= self._budget_bytes:
+            return Reason.MEMORY_BUDGET
+        return None
+
+    def _replay(self, graph: CapturedGraph) -> torch.Tensor:
+        if self._before_replay is not None:
+            self._before_replay()  # e.g. the prefetch offloader's sync_prev_onload()
+        graph.replay()
+        return graph.output
+
+    def _capture(self, key: GraphKey) -> CapturedGraph | None:
+        """Capture `key`; None when it failed and was quarantined (policy QUARANTINE)."""
+        assert key not in self._graphs, f"{key} is already captured"
+        if self._pool is None:
+            self._pool = self._new_pool()
+        generation = self._storage.generation if self._storage is not None else None
+        batch = key.batch_bucket
+        start = time.perf_counter()
+        try:
+            graph = self._capture_fn(lambda: self._forward(batch), self._pool,
+                                     self._before_capture)
+        except Exception as exc:  # noqa: BLE001 - any capture error quarantines the key
+            self._quarantined[key] = f"{type(exc).__name__}: {exc}"
+            if self._metrics is not None:
+                self._metrics.capture_failure()
+            if self.config.capture_failure_policy is CaptureFailurePolicy.RAISE:
+                raise RuntimeError(
+                    f"decode graph capture failed for {key} ({type(exc).__name__}: {exc}); "
+                    f"the key is quarantined. Remedy: set capture_failure_policy to "
+                    f"'quarantine' in --additional-config '{{\"moe_graphs\": {{...}}}}' to keep "
+                    f"serving eagerly, or {REMEDY[Reason.CAPTURE_FAILED]}") from exc
+            logger.warning("moe_graphs: capture of %s failed, key quarantined (runs eager): %s",
+                           key, self._quarantined[key])
+            return None
+        seconds = time.perf_counter() - start
+        self._graphs[key] = _Graph(graph, generation)
+        self._pool_bytes += graph.pool_bytes
+        if self._pool_bytes >= self._budget_bytes:
+            logger.warning("moe_graphs: graph pool at %.1f MiB reached the budget of %d MiB; "
+                           "further captures are denied (%s)", self._pool_bytes / _MIB,
+                           self.config.graph_memory_budget_mib, REMEDY[Reason.MEMORY_BUDGET])
+        if self._metrics is not None:
+            self._metrics.capture(seconds)
+        self._record_memory()
+        return graph
+
+    def _drop(self) -> None:
+        graphs, self._graphs = self._graphs, {}
+        for entry in graphs.values():
+            entry.graph.release()
+        self._warm.clear()
+        self._pool = None
+        self._pool_bytes = 0
+
+    def _record_memory(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_memory(self._pool_bytes, self._scratch_bytes)
