@@ -43,9 +43,11 @@ def on_engine_config(vllm_config: VllmConfig) -> None:
 
 
 def storage_proof() -> Proof:
-    """The KV storage adapter does not exist yet in this version: replay stays denied."""
+    """No KV storage adapter is bound to vLLM's KV cache in this version (the adapter exists in
+    `vllm_moe_graphs.kv`, the model-runner integration that binds it does not): replay stays
+    denied."""
     return Proof("storage", Reason.STORAGE_UNBOUND,
-                 "no KV storage adapter is bound (not built yet in this version)")
+                 "no KV storage adapter is bound (model-runner integration not built yet)")
 
 
 def on_worker_init(vllm_config: VllmConfig, rank: int) -> None:
