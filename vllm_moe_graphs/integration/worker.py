@@ -1,0 +1,100 @@
+"""`MoeGraphsWorker`: vLLM 0.26's GPU `Worker`, building `MoeGraphsModelRunner` as its runner.
+
+Selected with `parallel_config.worker_cls =
+"vllm_moe_graphs.integration.worker.MoeGraphsWorker"`. `Worker.init_device` (vLLM 0.26.0,
+`v1/worker/gpu_worker.py`) ends with
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GPUModelRunnerV1
+    self.model_runner = GPUModelRunnerV1(self.vllm_config, self.device)
+
+i.e. it reads the *module attribute* at call time. `init_device` below swaps that attribute for
+our subclass around `super().init_device()` and restores it in `finally`, so no vLLM code is
+copied. The V2 runner (`use_v2_model_runner`, dense Qwen3 unless `VLLM_USE_V2_MODEL_RUNNER=0`)
+is left alone: the plugin stays inactive there (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from vllm.v1.worker import gpu_model_runner as _runner_module
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner, check_override_points
+from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm.moe_graphs")
+
+RUNNER_ATTRIBUTE = "GPUModelRunner"  # in vllm.v1.worker.gpu_model_runner
+WORKER_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "__init__": ("self", "vllm_config", "local_rank", "rank", "distributed_init_method",
+                 "is_driver_worker"),
+    "init_device": ("self",),
+}
+
+
+def check_worker_points(base: type = Worker) -> None:
+    """Raise `IncompatibleVllmError` unless `base` and the runner module look like 0.26.0's."""
+    for name, expected in WORKER_OVERRIDES.items():
+        check_parameters(f"{base.__module__}.{base.__qualname__}.{name}", getattr(base, name),
+                         expected)
+    if not isinstance(getattr(_runner_module, RUNNER_ATTRIBUTE, None), type):
+        raise IncompatibleVllmError(
+            f"{_runner_module.__name__}.{RUNNER_ATTRIBUTE} is not a class in the installed "
+            "vLLM; the runner cannot be substituted. Set MOE_GRAPHS_DISABLE=1 to run stock vLLM.")
+
+
+@contextlib.contextmanager
+def runner_class_substituted(cls: type) -> Iterator[None]:
+    """Make `vllm.v1.worker.gpu_model_runner.GPUModelRunner` be `cls` inside the block; the
+    original is restored on exit, also when the block raises.
+
+    # NOTE: the module attribute is process-global. Inside the block, any code that reads it
+    # (another thread, or a module first imported during `Worker.init_device` that does
+    # `from vllm.v1.worker.gpu_model_runner import GPUModelRunner` at import time and keeps the
+    # name) sees our subclass; such a module keeps it after the block. A subclass keeps
+    # `isinstance` checks true, but `type(x) is GPUModelRunner` would differ. Keep the block
+    # to the one `super().init_device()` call; a worker process initialises one device, once.
+    """
+    original = getattr(_runner_module, RUNNER_ATTRIBUTE)
+    if not (isinstance(original, type) and issubclass(cls, original)):
+        raise TypeError(f"{cls.__qualname__} must subclass {original!r}")
+    setattr(_runner_module, RUNNER_ATTRIBUTE, cls)
+    try:
+        yield
+    finally:
+        setattr(_runner_module, RUNNER_ATTRIBUTE, original)
+
+
+class MoeGraphsWorker(Worker):
+    """`Worker` whose V1 model runner is `MoeGraphsModelRunner`."""
+
+    runner_cls: type = MoeGraphsModelRunner
+
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
+                 distributed_init_method: str, is_driver_worker: bool = False) -> None:
+        check_worker_points()
+        check_override_points()
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method,
+                         is_driver_worker=is_driver_worker)
+
+    def init_device(self) -> None:
+        if self.use_v2_model_runner:
+            logger.warning("moe_graphs: vLLM picked the V2 model runner; decode graphs stay off "
+                           "(set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner)")
+            super().init_device()
+            return
+        with runner_class_substituted(self.runner_cls):
+            super().init_device()
+        if type(self.model_runner) is not self.runner_cls:
+            raise IncompatibleVllmError(
+                f"Worker.init_device built {type(self.model_runner).__qualname__}, not "
+                f"{self.runner_cls.__qualname__}: the installed vLLM no longer reads "
+                f"{_runner_module.__name__}.{RUNNER_ATTRIBUTE} when it builds the runner. Set "
+                "MOE_GRAPHS_DISABLE=1 to run stock vLLM.")
