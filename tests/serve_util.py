@@ -1,4 +1,4 @@
-"""Start and stop a real `vllm serve` (CPU build) for end-to-end tests."""
+"""Start and stop a real `vllm serve` (CPU build, or the GPU host's vLLM) for end-to-end tests."""
 
 from __future__ import annotations
 
@@ -44,17 +44,25 @@ def cpu_env(cpu_vllm: str, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_serve(model: str, cpu_vllm: str, log_path: str, args: tuple[str, ...] = (),
+def vllm_serve(model: str, cpu_vllm: str | None, log_path: str, args: tuple[str, ...] = (),
                env_extra: dict[str, str] | None = None,
                start_timeout: float = 420) -> Iterator[str]:
-    """Yield the base URL of a running server; its output goes to `log_path`."""
+    """Yield the base URL of a running server; its output goes to `log_path`. With `cpu_vllm`
+    (the CPU build's path) the server runs eager on the CPU; with None it runs on this host's
+    vLLM and GPU, graphs allowed."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port",
-           str(port), "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "256",
-           "--dtype", "bfloat16", *args]
+           str(port), "--host", "127.0.0.1", "--max-model-len", "256", "--dtype", "bfloat16",
+           *(("--enforce-eager",) if cpu_vllm else ()), *args]
+    if cpu_vllm:
+        env = cpu_env(cpu_vllm, **(env_extra or {}))
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+        env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+                   **(env_extra or {}))
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=cpu_env(cpu_vllm, **(env_extra or {})), start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout

@@ -18,7 +18,7 @@ from vllm_moe_graphs.capability import (
 ELIGIBLE_FACTS = ConfigFacts(
     architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", has_mla=False,
     dtype="bfloat16", kv_cache_dtype="auto", is_cuda=True, enforce_eager=False,
-    tensor_parallel_size=2, pipeline_parallel_size=1, speculative=False, lora=False,
+    tensor_parallel_size=1, pipeline_parallel_size=1, speculative=False, lora=False,
     offload="uva")
 
 
@@ -42,10 +42,13 @@ def test_eligible_config():
     (dict(architectures=("DeepseekV2ForCausalLM",), model_type="deepseek_v2"),
      Reason.MLA_LAYOUT_UNSUPPORTED),
     (dict(has_mla=True), Reason.MLA_LAYOUT_UNSUPPORTED),
+    (dict(head_size=32), Reason.UNSUPPORTED_ARCHITECTURE),
     (dict(dtype="float32"), Reason.UNSUPPORTED_DTYPE),
     (dict(kv_cache_dtype="fp8"), Reason.UNSUPPORTED_DTYPE),
     (dict(enforce_eager=True), Reason.ENFORCE_EAGER),
     (dict(pipeline_parallel_size=2), Reason.PIPELINE_PARALLEL),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), Reason.PIPELINE_PARALLEL),
+    (dict(tensor_parallel_size=2), Reason.TENSOR_PARALLEL),
     (dict(speculative=True), Reason.SPECULATIVE_DECODING),
     (dict(lora=True), Reason.LORA),
     (dict(offload="uva_disabled"), Reason.OFFLOAD_NOT_GRAPH_SAFE),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,4 +62,7 @@ def test_demo_runs_and_reports():
     assert "tokens/s" in proc.stdout
     # recorded in the engine process, collected through the metrics transport
     assert "capability: " in proc.stdout and "not recorded" not in proc.stdout
-    assert "storage_unbound" in proc.stdout
+    # the plugin took decode graphs over: eligible, and decode steps replayed
+    assert "capability: eligible" in proc.stdout, proc.stdout[-3000:]
+    replays = re.search(r"graph replays: (\d+)", proc.stdout)
+    assert replays and int(replays.group(1)) > 0, proc.stdout[-3000:]

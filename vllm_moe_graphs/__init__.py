@@ -7,3 +7,17 @@ Importing this package is cheap: no vLLM, torch or CUDA is touched. The vLLM ent
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+def benchmark_llm_kwargs(mode: str) -> dict:
+    """Extra `vllm.LLM` kwargs of a plugin benchmark mode (`benchmarks/modes.py`).
+
+    `plugin_graphs`: the plugin takes decode graphs over (our worker, runner and attention
+    backend; vLLM's capture and torch.compile off), defaults otherwise. `plugin_eager`: our
+    attention backend with `enforce_eager`, no graphs at all.
+    """
+    if mode == "plugin_graphs":
+        return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
+    if mode == "plugin_eager":
+        return {"attention_config": {"backend": "CUSTOM"}, "enforce_eager": True}
+    raise NotImplementedError(f"unknown plugin benchmark mode {mode!r}")

@@ -29,6 +29,7 @@ class Reason(str, enum.Enum):
     UNSUPPORTED_DTYPE = "unsupported_dtype"
     ENFORCE_EAGER = "enforce_eager"
     PIPELINE_PARALLEL = "pipeline_parallel"
+    TENSOR_PARALLEL = "tensor_parallel"
     SPECULATIVE_DECODING = "speculative_decoding"
     LORA = "lora"
     OFFLOAD_NOT_GRAPH_SAFE = "offload_not_graph_safe"
@@ -58,7 +59,9 @@ REMEDY: dict[Reason, str] = {
     Reason.UNSUPPORTED_DTYPE: "use --dtype bfloat16 or float16 and an unquantized KV cache "
     "(--kv-cache-dtype auto)",
     Reason.ENFORCE_EAGER: "drop --enforce-eager to allow decode graphs",
-    Reason.PIPELINE_PARALLEL: "use --pipeline-parallel-size 1 (tensor parallelism is supported)",
+    Reason.PIPELINE_PARALLEL: "use --pipeline-parallel-size 1",
+    Reason.TENSOR_PARALLEL: "use --tensor-parallel-size 1; decode graphs with tensor "
+    "parallelism are not supported yet (stock vLLM runs)",
     Reason.SPECULATIVE_DECODING: "drop --speculative-config; speculative decoding runs stock vLLM",
     Reason.LORA: "drop --enable-lora; LoRA runs stock vLLM",
     Reason.OFFLOAD_NOT_GRAPH_SAFE: "use UVA offload (--cpu-offload-gb N, pinned memory, "
@@ -85,6 +88,7 @@ MLA_ARCHITECTURES = frozenset(
      "DeepseekForCausalLM", "KimiK2ForCausalLM"}
 )
 SUPPORTED_DTYPES = frozenset({"bfloat16", "float16"})
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)  # what the attention kernels are built for
 GRAPH_SAFE_OFFLOAD = frozenset({"none", "uva"})
 
 
@@ -173,6 +177,7 @@ class ConfigFacts:
     offload: str  # "none", "uva", "uva_disabled" (copy fallback), "prefetch"
     plugin_enabled: bool = True
     disabled_by_env: bool = False
+    head_size: int | None = None  # attention head size (None: not known)
 
 
 # Proofs that every runtime report must carry before replay is allowed.
@@ -194,6 +199,10 @@ def architecture_proof(facts: ConfigFacts) -> Proof:
     if len(archs) != 1 or not archs <= SUPPORTED_ARCHITECTURES:
         return Proof("architecture", Reason.UNSUPPORTED_ARCHITECTURE,
                      f"architectures={list(facts.architectures)}")
+    if facts.head_size is not None and facts.head_size not in SUPPORTED_HEAD_SIZES:
+        return Proof("architecture", Reason.UNSUPPORTED_ARCHITECTURE,
+                     f"head size {facts.head_size}; the attention kernels support "
+                     f"{list(SUPPORTED_HEAD_SIZES)}")
     return Proof("architecture", Reason.ELIGIBLE)
 
 
@@ -210,7 +219,10 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
                f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}"),
         _proof("eager", not facts.enforce_eager, Reason.ENFORCE_EAGER, "--enforce-eager is set"),
         _proof("parallelism", facts.pipeline_parallel_size == 1, Reason.PIPELINE_PARALLEL,
-               f"pipeline_parallel_size={facts.pipeline_parallel_size}"),
+               f"pipeline_parallel_size={facts.pipeline_parallel_size}")
+        if facts.pipeline_parallel_size != 1 else
+        _proof("parallelism", facts.tensor_parallel_size == 1, Reason.TENSOR_PARALLEL,
+               f"tensor_parallel_size={facts.tensor_parallel_size}"),
         _proof("speculative", not facts.speculative, Reason.SPECULATIVE_DECODING,
                "a speculative config is set"),
         _proof("lora", not facts.lora, Reason.LORA, "--enable-lora is set"),

@@ -171,15 +171,28 @@ def _bare_runner(layers: dict):
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
+    import torch
+
+    ns = types.SimpleNamespace
     r = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)
     r.moe_config = PluginConfig()
     r.moe_storage = PagedKVStorage()
     r._moe_layers = None
-    r.cache_config = types.SimpleNamespace(cache_dtype="auto", num_gpu_blocks=4)
-    r.compilation_config = types.SimpleNamespace(static_forward_context={
-        name: types.SimpleNamespace(kv_cache=t) for name, t in layers.items()})
+    r._moe_graphs = None
+    r.cache_config = ns(cache_dtype="auto", num_gpu_blocks=4)
+    ctx = {name: ns(kv_cache=t) for name, t in layers.items()}
+    r.compilation_config = ns(static_forward_context=ctx)
     r.kv_caches = list(layers.values())
-    r.moe_storage.bind(layers, phase=Phase.SERVING)
+    # vLLM's persistent input buffers, as GPUModelRunner.__init__ makes them (small)
+    r.input_ids, r.query_start_loc = ns(gpu=torch.zeros(8, dtype=torch.int32)), ns(
+        gpu=torch.zeros(9, dtype=torch.int32))
+    r.positions, r.seq_lens = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    r.input_batch = ns(block_table=ns(block_tables=[ns(
+        block_table=ns(gpu=torch.zeros(8, 4, dtype=torch.int32)),
+        slot_mapping=ns(gpu=torch.zeros(8, dtype=torch.int64)))]))
+    r.attn_groups = []
+    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=r._moe_buffers())
+    r._moe_kv_watch = tuple((ctx[n], t) for n, t in layers.items())
     return r
 
 
@@ -207,3 +220,23 @@ def test_wake_up_revalidates_the_bound_identity():
     proof = r.moe_storage.proof()
     assert proof.reason.value == "storage_identity_changed"
     assert "shape" in proof.detail and name in proof.detail
+
+
+def test_wake_up_notices_a_moved_input_buffer():
+    import torch
+
+    r = _bare_runner({"model.layers.0.self_attn.attn": _kv()})
+    r.positions = torch.zeros(8, dtype=torch.int64)  # vLLM reallocated a persistent buffer
+    r.post_kv_cache_wake_up()
+    proof = r.moe_storage.proof()
+    assert proof.reason.value == "storage_identity_changed" and "positions" in proof.detail
+
+
+def test_a_swapped_layer_tensor_is_seen_by_the_per_step_check():
+    name = "model.layers.0.self_attn.attn"
+    r = _bare_runner({name: _kv()})
+    assert not r._moe_kv_rebound()
+    r.compilation_config.static_forward_context[name].kv_cache = _kv()  # same shape, new tensor
+    assert r._moe_kv_rebound()
+    r._moe_rebind("test swap")
+    assert r.moe_storage.proof().reason.value == "storage_identity_changed"

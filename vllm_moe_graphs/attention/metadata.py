@@ -200,6 +200,11 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         torch.sub(qsl[1:], qsl[:-1], out=metadata.seq_lens)
         return metadata
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a captured graph reads (their identity is part of the KV storage's)."""
+        return {"query_start_loc": self._query_start_loc, "seq_lens": self._seq_lens,
+                "block_table": self._block_table, "workspace": self._workspace}
+
     # ------------------------------------------------------------------------- helpers
 
     def _workspace_numel(self) -> int:

@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--num-layers", type=int, default=None,
                    help="override the layer count (smaller = faster start; default: the shape's)")
-    p.add_argument("--attention-backend", default="TRITON_ATTN",
-                   help="vLLM attention backend (default TRITON_ATTN)")
+    p.add_argument("--attention-backend", default=None,
+                   help="vLLM attention backend (default: the plugin's, CUSTOM, on an eligible "
+                        "setup; any other backend keeps stock vLLM)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     return p
 

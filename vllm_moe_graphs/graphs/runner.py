@@ -107,7 +107,9 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool: object,
         before_capture()  # e.g. the prefetch offloader's sync_prev_onload()
     stream = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        # NOTE: thread_local: vLLM's output thread may touch CUDA (event syncs of the async
+        # output copy) while a lazy capture runs mid-serving; only this thread's calls matter.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             output = fn()
     except BaseException:
         # NOTE: when capture_end() raises, torch.cuda.graph leaves its capture stream current;
@@ -181,6 +183,15 @@ class DecodeGraphRunner:
     @property
     def quarantined(self) -> frozenset[GraphKey]:
         return frozenset(self._quarantined)
+
+    def all_keys(self) -> tuple[GraphKey, ...]:
+        """Every bucket pair of the config, largest batch first (what precapture captures)."""
+        return all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
+
+    def output(self, key: GraphKey) -> torch.Tensor | None:
+        """The static output tensor of `key`'s live graph (None when it has none)."""
+        entry = self._graphs.get(key)
+        return entry.graph.output if entry is not None else None
 
     @property
     def pool_bytes(self) -> int:
@@ -259,8 +270,7 @@ class DecodeGraphRunner:
         `prepare(key)` fills the static buffers with a padded dummy batch for that key.
         Returns key -> ELIGIBLE (captured or already live) or why it was not captured."""
         self._check_open("precapture")
-        keys = all_keys(self.config.decode_batch_buckets, self.config.context_buckets) \
-            if keys is None else tuple(sorted(keys, reverse=True))
+        keys = self.all_keys() if keys is None else tuple(sorted(keys, reverse=True))
         out: dict[GraphKey, Reason] = {}
         for key in keys:
             reason = self._capture_denied(key)

@@ -36,6 +36,14 @@ def _is_cuda() -> bool:
     return bool(current_platform.is_cuda())
 
 
+def _head_size(hf: Mapping[str, Any]) -> int | None:
+    if hf.get("head_dim"):
+        return int(hf["head_dim"])
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None
+
+
 def _has_mla(hf: Mapping[str, Any]) -> bool:
     return bool(hf.get("kv_lora_rank")) or bool(hf.get("use_mla"))
 
@@ -60,6 +68,7 @@ def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> Con
                               off.prefetch.offload_group_size),
         plugin_enabled=plugin.enabled,
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
+        head_size=_head_size(hf),
     )
 
 
@@ -86,4 +95,5 @@ def facts_from_engine_args(args: EngineArgs, hf: Mapping[str, Any]) -> ConfigFac
                               float(args.cpu_offload_gb), int(args.offload_group_size)),
         plugin_enabled=plugin.enabled,
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
+        head_size=_head_size(hf),
     )

@@ -1,27 +1,43 @@
-"""`MoeGraphsModelRunner`: vLLM 0.26's V1 `GPUModelRunner` plus the KV storage lifecycle.
+"""`MoeGraphsModelRunner`: vLLM 0.26's V1 `GPUModelRunner` with our decode CUDA graphs.
 
-This increment binds one `PagedKVStorage` to vLLM's KV cache and keeps it honest across
-profiling, wake-up, weight reload and shutdown. It does not yet replace vLLM's CUDA-graph capture
-nor the per-batch execution path (issue #6; see the TODOs below).
+It binds one `PagedKVStorage` to vLLM's KV cache and keeps it honest across profiling,
+wake-up, weight reload and shutdown, and it runs decode steps through one `DecodeGraphRunner`
+(lazy capture per bucket, replay, eager fallback with a reason). vLLM's own capture is off for
+engines it runs in (`cudagraph_mode=NONE`, set by `hooks.take_over_decode_graphs`), so its
+graphs are the only ones.
 
 Overridden `GPUModelRunner` methods (exactly these; `test_override_points` introspects them):
 
-method                        | parameters after self                                | hook
------------------------------ | ---------------------------------------------------- | ------------
-`__init__`                    | vllm_config, device                                  | storage
-`load_model`                  | load_dummy_weights                                   | register
-`initialize_kv_cache`         | kv_cache_config, is_profiling                        | bind
-`_cleanup_profiling_kv_cache` |                                                      | unbind first
-`post_kv_cache_wake_up`       |                                                      | revalidate
-`reload_weights`              | weights_iterator, weights_path, is_checkpoint_format | revalidate
-`shutdown`                    |                                                      | close
+method                                  | parameters after self                                | hook
+--------------------------------------- | ---------------------------------------------------- | ------------
+`__init__`                              | vllm_config, device                                  | storage
+`load_model`                            | load_dummy_weights                                   | register
+`initialize_kv_cache`                   | kv_cache_config, is_profiling                        | bind, graphs
+`_cleanup_profiling_kv_cache`           |                                                      | unbind first
+`post_kv_cache_wake_up`                 |                                                      | revalidate
+`reload_weights`                        | weights_iterator, weights_path, is_checkpoint_format | invalidate
+`shutdown`                              |                                                      | close
+`execute_model`                         | scheduler_output, intermediate_tensors               | step scope
+`_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | decide, pad
+`_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
+`capture_model`                         |                                                      | precapture
 
 storage: read the plugin config, create the one `PagedKVStorage`; register: classify the model
-and its attention layers by exact type; bind: phase profiling or serving. Each hook runs after
-super(), except the unbind (super frees the memory it must release) and close (also when super
-raises).
+and its attention layers by exact type; bind: phase profiling or serving; graphs: create the
+`DecodeGraphRunner` once the serving bind holds. Each hook runs after super(), except the
+unbind (super frees the memory it must release), close (also when super raises) and the
+per-step ones below.
 
-Called, not overridden: `get_model(self)`.
+Per step (`execute_model`): vLLM prepares inputs in its persistent buffers, then asks
+`_determine_batch_execution_and_padding`; ours asks `DecodeGraphRunner.decide()` with host ints
+only (rows, the longest context from `optimistic_seq_lens_cpu`, pure decode or not). On a graph
+path (replay, capture, warm-up) it returns vLLM's FULL runtime mode with a `BatchDescriptor` of
+the bucket, so vLLM pads inputs, slot mapping (-1) and attention metadata (seq_len 0, null block)
+to the bucket exactly as for its own FULL graphs; an eager fallback returns vLLM's unpadded
+NONE. `_model_forward` then runs the step through the `DecodeGraphRunner`, which hands back only
+the real rows.
+
+Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (precapture).
 
 vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
 
@@ -35,23 +51,30 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
                                           throw-away graph captures
                                           _cleanup_profiling_kv_cache                (unbind)
     Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
-    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()
-    per step: execute_model -> _determine_batch_execution_and_padding -> ...
+    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()           (precapture)
+    per step: execute_model -> _determine_batch_execution_and_padding             (decide)
+                            -> _model_forward                                    (replay)
     Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
                                           "kv_cache")                                (revalidate)
-    Worker.reload_weights              -> reload_weights                             (revalidate)
+    Worker.reload_weights              -> reload_weights                             (invalidate)
     Worker.shutdown                    -> shutdown -> _cleanup_profiling_kv_cache    (unbind, close)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.graphs.buckets import GraphKey
+from vllm_moe_graphs.graphs.runner import Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
@@ -59,6 +82,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from vllm.config import VllmConfig
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from vllm_moe_graphs.integration.model_registry import AttentionLayerRegistry
@@ -75,9 +100,21 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "post_kv_cache_wake_up": ("self",),
     "reload_weights": ("self", "weights_iterator", "weights_path", "is_checkpoint_format"),
     "shutdown": ("self",),
+    "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
+    "_determine_batch_execution_and_padding": (
+        "self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens",
+        "use_cascade_attn", "allow_microbatching", "force_eager", "force_uniform_decode",
+        "force_has_lora", "force_num_active_loras", "num_encoder_reqs"),
+    "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
+                       "model_kwargs"),
+    "capture_model": ("self",),
 }
 CALLED: dict[str, tuple[str, ...]] = {
     "get_model": ("self",),
+    "_dummy_run": ("self", "num_tokens", "cudagraph_runtime_mode", "force_attention",
+                   "uniform_decode", "allow_microbatching", "skip_eplb", "is_profile",
+                   "create_mixed_batch", "remove_lora", "is_graph_capturing", "num_active_loras",
+                   "profile_seq_lens"),
 }
 
 
@@ -99,18 +136,58 @@ def _metrics_sink() -> InvalidationSink | None:
     """This process' metrics recorder; the worker has initialised torch.distributed by now."""
     from vllm_moe_graphs.metrics import recorder
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return recorder(rank)
+    return recorder(_rank())
+
+
+def graph_config(config: PluginConfig, max_num_seqs: int) -> PluginConfig:
+    """`config` with its batch buckets fitted to the engine: no bucket above max_num_seqs (vLLM's
+    persistent buffers hold that many rows); the largest becomes max_num_seqs when a configured
+    bucket reached past it."""
+    buckets = config.decode_batch_buckets
+    if buckets[-1] < max_num_seqs:
+        return config
+    fitted = tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
+    return dataclasses.replace(config, decode_batch_buckets=fitted)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class _PrecaptureModel:
+    """Stands in for `self.model` during `capture_model`: vLLM's `_dummy_run` prepares a padded
+    decode batch under its forward context and calls the model; this captures that key."""
+
+    def __init__(self, runner: MoeGraphsModelRunner, key: GraphKey) -> None:
+        self._runner, self._key = runner, key
+
+    def __call__(self, **kwargs: Any) -> torch.Tensor:
+        r = self._runner
+        r._moe_args = kwargs
+        graphs = r._moe_graphs
+        result = graphs.precapture([self._key])[self._key]
+        out = graphs.output(self._key) if result is Reason.ELIGIBLE else None
+        return out if out is not None else r._moe_model(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner._moe_model, name)
 
 
 class MoeGraphsModelRunner(GPUModelRunner):
-    """V1 runner that owns the KV storage identity (see the module docstring)."""
+    """V1 runner with our decode graphs (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.moe_config = PluginConfig.from_additional_config(vllm_config.additional_config)
         self.moe_storage = PagedKVStorage(metrics=_metrics_sink())
         self._moe_layers: AttentionLayerRegistry | None = None
+        self._moe_graphs: DecodeGraphRunner | None = None
+        self._moe_executing = False  # inside execute_model (not a dummy/profile run)
+        self._moe_pending: tuple[Decision, int] | None = None  # (decision, max context)
+        self._moe_args: dict[str, Any] = {}  # the current step's model inputs
+        self._moe_kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
+        self._moe_precapture_key: GraphKey | None = None
+        self._moe_real_model: Any = None  # the model while capture_model swaps in the shim
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -125,6 +202,8 @@ class MoeGraphsModelRunner(GPUModelRunner):
                             is_profiling: bool = False) -> None:
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling)
         self._moe_bind(Phase.PROFILING if is_profiling else Phase.SERVING)
+        if not is_profiling:
+            self._moe_start_graphs()
 
     def _cleanup_profiling_kv_cache(self) -> None:
         # NOTE: unbind first: the storage holds strong references, and super() drops vLLM's and
@@ -137,6 +216,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
 
     def post_kv_cache_wake_up(self) -> None:
         super().post_kv_cache_wake_up()
+        # Sleep discarded the KV contents (and, at level 2, the weights): graphs captured before
+        # are dropped even when every address survived, and recaptured on use.
+        if self._moe_graphs is not None:
+            self._moe_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "wake-up")
         self._moe_revalidate("wake-up")
 
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -144,24 +227,139 @@ class MoeGraphsModelRunner(GPUModelRunner):
                        is_checkpoint_format: bool = True) -> None:
         super().reload_weights(weights_iterator=weights_iterator, weights_path=weights_path,
                                is_checkpoint_format=is_checkpoint_format)
-        # TODO(#6): weights may move on reload: the graph runner must drop its graphs here
-        # (DecodeGraphRunner.invalidate); the storage only proves the KV cache identity.
+        # Weights may move on reload; a graph bakes their addresses in.
+        if self._moe_graphs is not None:
+            self._moe_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "weight reload")
         self._moe_revalidate("weight reload")
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
         finally:
+            if self._moe_graphs is not None:
+                self._moe_graphs.close()
             self.moe_storage.close()
 
-    # TODO(#6): `capture_model(self) -> int` stays vLLM's. Issue #6 overrides it to drop vLLM's
-    # full decode graphs and (with `precapture`) capture ours through DecodeGraphRunner inside
-    # vLLM's `graph_capture` context, after `moe_storage.proof()` holds.
-    # TODO(#6): `_determine_batch_execution_and_padding(...)` stays vLLM's. Issue #6 overrides it
-    # to ask `DecodeGraphRunner.decide()` (host ints only) and, on an eager fallback, call super
-    # with `force_eager=True` so the batch is not padded; on replay it pads to the bucket.
+    # -- per step --------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      intermediate_tensors: IntermediateTensors | None = None) -> Any:
+        self._moe_executing, self._moe_pending = True, None
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self._moe_executing, self._moe_pending, self._moe_args = False, None, {}
+
+    def _determine_batch_execution_and_padding(
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        num_scheduled_tokens_np: np.ndarray,
+        max_num_scheduled_tokens: int,
+        use_cascade_attn: bool,
+        allow_microbatching: bool = True,
+        force_eager: bool = False,
+        force_uniform_decode: bool | None = None,
+        force_has_lora: bool | None = None,
+        force_num_active_loras: int | None = None,
+        num_encoder_reqs: int = 0,
+    ) -> tuple[Any, ...]:
+        out = super()._determine_batch_execution_and_padding(
+            num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+            use_cascade_attn, allow_microbatching=allow_microbatching, force_eager=force_eager,
+            force_uniform_decode=force_uniform_decode, force_has_lora=force_has_lora,
+            force_num_active_loras=force_num_active_loras, num_encoder_reqs=num_encoder_reqs)
+        graphs = self._moe_graphs
+        if graphs is None:
+            return out
+        if self._moe_precapture_key is not None:  # capture_model's dummy batch
+            return self._moe_padded(out, self._moe_precapture_key.batch_bucket)
+        if not self._moe_executing:
+            return out  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
+        # NOTE: host ints only (the scheduler's lengths); no GPU value is read here.
+        decode = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+                  and not use_cascade_attn and not force_eager)
+        max_context = int(self.optimistic_seq_lens_cpu.numpy()[:num_reqs].max()) if decode \
+            else 0
+        if decode and self._moe_kv_rebound():
+            self._moe_rebind("a layer's KV tensor was rebound behind the storage")
+        # Rows are query tokens: for a decode batch one per request; a mixed batch keeps all.
+        d = graphs.decide(num_tokens, max_context, decode)
+        self._moe_pending = (d, max_context)
+        if d.key is not None and d.batch_size == d.key.batch_bucket:  # replay/capture/warm-up
+            return self._moe_padded(out, d.batch_size)
+        return out
+
+    def _model_forward(self, input_ids: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None,
+                       intermediate_tensors: IntermediateTensors | None = None,
+                       inputs_embeds: torch.Tensor | None = None,
+                       **model_kwargs: Any) -> Any:
+        pending, self._moe_pending = self._moe_pending, None
+        if pending is None or self._moe_graphs is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        d, max_context = pending
+        self._moe_args = dict(input_ids=input_ids, positions=positions,
+                              intermediate_tensors=intermediate_tensors,
+                              inputs_embeds=inputs_embeds, **model_kwargs)
+        out, _ = self._moe_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
+                                      decision=d)
+        return out
+
+    def capture_model(self) -> int:
+        graphs = self._moe_graphs
+        if graphs is None:
+            return super().capture_model()
+        if not self.moe_config.precapture:
+            logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
+                        "bucket after %d warm-up steps", self.moe_config.warmup_steps)
+            return 0
+        from vllm.config import CUDAGraphMode
+
+        keys = graphs.all_keys()
+        logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
+        start = time.perf_counter()
+        real = self._moe_real_model = self.model
+        try:
+            for i, key in enumerate(keys):
+                self._moe_precapture_key = key
+                self.model = _PrecaptureModel(self, key)
+                try:
+                    self._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                                    uniform_decode=True, skip_eplb=True, remove_lora=False,
+                                    is_graph_capturing=True)
+                finally:
+                    self.model = real
+                    self._moe_precapture_key = None
+                if (i + 1) % 8 == 0 or i + 1 == len(keys):
+                    logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
+                                time.perf_counter() - start)
+        finally:
+            self._moe_real_model = None
+        return graphs.pool_bytes
 
     # -- helpers (names are ours: none shadows a GPUModelRunner attribute) -----------------------
+    @property
+    def _moe_model(self) -> Any:
+        return self._moe_real_model if self._moe_real_model is not None else self.model
+
+    def _moe_forward(self, batch_size: int) -> torch.Tensor:
+        """The DecodeGraphRunner's forward: the model on this step's (padded) inputs."""
+        args = self._moe_args
+        ids = args.get("input_ids")
+        rows = ids.shape[0] if ids is not None else args["inputs_embeds"].shape[0]
+        assert rows >= batch_size, f"step has {rows} input rows, the runner asked {batch_size}"
+        return self._moe_model(**args)
+
+    @staticmethod
+    def _moe_padded(out: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
+        """vLLM's FULL runtime mode with a uniform-decode descriptor of `batch` rows."""
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
+
+        desc = BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True)
+        return (CUDAGraphMode.FULL, desc, *out[2:])
+
     def _moe_kv_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Layer name -> the KV tensor vLLM bound to that layer (`bind_kv_cache`)."""
         ctx: dict[str, Any] = self.compilation_config.static_forward_context
@@ -171,6 +369,23 @@ class MoeGraphsModelRunner(GPUModelRunner):
             if isinstance(t, torch.Tensor) and t.numel():
                 out[name] = t
         return out
+
+    def _moe_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers a decode graph reads (vLLM's inputs and our metadata)."""
+        from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+
+        bufs = {"input_ids": self.input_ids.gpu, "positions": self.positions,
+                "query_start_loc": self.query_start_loc.gpu, "seq_lens": self.seq_lens}
+        for gid, table in enumerate(self.input_batch.block_table.block_tables):
+            bufs[f"block_table.{gid}"] = table.block_table.gpu
+            bufs[f"slot_mapping.{gid}"] = table.slot_mapping.gpu
+        for gi, groups in enumerate(self.attn_groups):
+            for ai, group in enumerate(groups):
+                builder = group.get_metadata_builder()
+                if isinstance(builder, MoeGraphsMetadataBuilder):
+                    for name, t in builder.persistent_buffers().items():
+                        bufs[f"attn.{gi}.{ai}.{name}"] = t
+        return bufs
 
     def _moe_bind(self, phase: Phase) -> None:
         layers = self._moe_layers
@@ -187,7 +402,8 @@ class MoeGraphsModelRunner(GPUModelRunner):
                            sorted(set(indices) - set(kv)))
             return
         try:
-            identity = self.moe_storage.bind(kv, phase=phase, layer_indices=indices)
+            identity = self.moe_storage.bind(kv, phase=phase, layer_indices=indices,
+                                             buffers=self._moe_buffers())
         except ValueError as exc:  # e.g. another attention backend's layout: stock vLLM runs
             logger.warning("moe_graphs: KV storage not bound (%s phase): %s", phase.value, exc)
             return
@@ -195,14 +411,64 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self.moe_storage.check_devices(self.device, model_device)
         if not (match := layers.match_storage(identity)).holds:
             self.moe_storage.invalidate(match.detail)
+        ctx = self.compilation_config.static_forward_context
+        self._moe_kv_watch = tuple((ctx[name], t) for name, t in kv.items())
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.moe_storage.generation,
                     self.moe_storage.proof().reason.value)
+
+    def _moe_kv_rebound(self) -> bool:
+        """True when some attention layer no longer holds the tensor the storage bound: one
+        identity check per layer (host only), so a swap is caught before the next replay."""
+        return any(layer.kv_cache is not t for layer, t in self._moe_kv_watch)
+
+    def _moe_rebind(self, why: str) -> None:
+        """The storage's identity no longer matches vLLM's tensors: invalidate (metrics, graphs
+        dropped through the listener), then bind afresh to what vLLM holds now."""
+        if self.moe_storage.closed:
+            return
+        logger.warning("moe_graphs: %s; decode graphs dropped, rebinding", why)
+        self.moe_storage.invalidate(why)
+        self._moe_bind(Phase.SERVING)
+
+    def _moe_start_graphs(self) -> None:
+        """Create the DecodeGraphRunner once the serving bind holds, and record the runtime
+        capability (metrics, log) either way."""
+        from vllm_moe_graphs.integration import hooks
+        from vllm_moe_graphs.killswitch import KillSwitch
+        from vllm_moe_graphs.metrics import recorder
+
+        proof = self.moe_storage.proof()
+        vllm_own = self.compilation_config.cudagraph_mode
+        if proof.holds and vllm_own is not None and vllm_own.name != "NONE":
+            logger.warning("moe_graphs: vLLM's own CUDA graphs are on (cudagraph_mode=%s); the "
+                           "plugin's decode graphs stay off (see docs/serving.md)",
+                           vllm_own.name)
+        report = hooks.record_capability(
+            self.vllm_config, _rank(), proof,
+            graphs_on=proof.holds and (vllm_own is None or vllm_own.name == "NONE"))
+        if self._moe_graphs is not None or not report.eligible or (
+                vllm_own is not None and vllm_own.name != "NONE"):
+            return
+        rec = recorder(_rank())
+        config = graph_config(self.moe_config, self.max_num_reqs)
+        self._moe_graphs = DecodeGraphRunner(
+            self._moe_forward, config, storage=self.moe_storage,
+            kill_switch=KillSwitch.from_env(), metrics=rec)
+        self._moe_graphs.set_scratch_bytes(sum(
+            t.numel() * t.element_size() for t in self._moe_buffers().values()))
+        logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
+                    "warm-up %d steps, pool budget %d MiB",
+                    list(config.decode_batch_buckets),
+                    list(self.moe_config.context_buckets), self.moe_config.warmup_steps,
+                    self.moe_config.graph_memory_budget_mib)
 
     def _moe_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:
             return
         names = self.moe_storage.identity().layer_indices
-        proof = self.moe_storage.revalidate(self._moe_kv_tensors(names))
+        proof = self.moe_storage.revalidate(self._moe_kv_tensors(names), self._moe_buffers())
         logger.info("moe_graphs: KV storage after %s: %s%s", event, proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
+        if proof.reason is Reason.STORAGE_IDENTITY_CHANGED:
+            self._moe_rebind(f"KV storage changed at {event}")

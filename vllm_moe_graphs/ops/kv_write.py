@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)
+from vllm_moe_graphs.capability import SUPPORTED_HEAD_SIZES  # one definition, no torch there
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 

@@ -3,6 +3,7 @@
 | file | patched symbol | why | removal condition |
 |---|---|---|---|
 | platform_config.py | `<current platform>.check_and_update_config` | validate `additional_config["moe_graphs"]` and compute the config-time capability in process 0, before any engine process starts or the model loads | vLLM offers a config-validation hook for general plugins |
+| vllm_config_post_init.py | `vllm.config.VllmConfig.__post_init__` | for an eligible setup, select our worker, backend and capture (vLLM's off) *before* vLLM derives custom ops, IR op priorities and capture sizes from them | vLLM offers a pre-finalisation config hook for general plugins |
 | worker_base_init.py | `vllm.v1.worker.worker_base.WorkerBase.__init__` | record capability and info metrics in every worker process (also where the plugin does not take over, e.g. CPU), with the rank; runs after plugins load in that process | vLLM offers a per-worker plugin hook |
 
 Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
@@ -16,10 +17,14 @@ PATCHED_ATTR = "__moe_graphs_patched__"
 
 def apply_all() -> list[str]:
     """Apply every patch; return the names of what was patched now."""
-    from vllm_moe_graphs.integration.patch import platform_config, worker_base_init
+    from vllm_moe_graphs.integration.patch import (
+        platform_config,
+        vllm_config_post_init,
+        worker_base_init,
+    )
 
     applied = []
-    for module in (platform_config, worker_base_init):
+    for module in (vllm_config_post_init, platform_config, worker_base_init):
         name = module.apply()
         if name:
             applied.append(name)

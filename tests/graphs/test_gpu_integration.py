@@ -1,0 +1,362 @@
+"""GPU tier for the decode-graph runner inside real vLLM 0.26.0 (issue #6, #5 end to end).
+
+Each engine runs in its own interpreter (`vllm.LLM`, the plugin loaded through its entry point,
+so it takes decode graphs over exactly as for an operator). Parity is measured *within one
+engine*: the same prompts are generated with graphs, then again with the kill file present
+(`MOE_GRAPHS_KILL_FILE`: every decode step eager, graphs kept), and the greedy tokens must be
+identical. Every batch size used is a bucket, so the graph and the eager step run the same
+kernels on the same number of rows: identity is the right bar, not closeness.
+
+Dummy weights are re-drawn after load (norm gains 1, matrices N(0, 1/fan_in); see
+tests/attention/test_gpu_backend_e2e.py for why vLLM's dummy weights make flat logits, which
+would make any comparison vacuous); the report checks the logits are not flat.
+
+Models: the Qwen3-0.6B and Qwen3-30B-A3B shapes cut to NUM_LAYERS layers (every per-layer shape
+real; depth only scales time), and a tiny real checkpoint built by tests/tiny_models.py.
+Set MOE_GRAPHS_TEST_OUT=/dir to get one JSON summary per test there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.serve_util import get, post_json, tail, vllm_serve
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NUM_LAYERS = 4
+NUM_PROMPTS, MAX_TOKENS = 64, 256
+PARITY_BATCHES = (1, 8, 32, 64)
+ENGINE_TIMEOUT_S = 420
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_and_vllm():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+
+
+# Runs in a fresh interpreter: argv[1] is a JSON spec; the result goes to spec["out"].
+_ENGINE = r"""
+import json, os, sys, time, zlib
+spec = json.loads(sys.argv[1])
+import torch
+
+if spec.get("fail_capture_bucket"):
+    import vllm_moe_graphs.graphs.runner as runner_mod
+    real_capture = runner_mod.cuda_capture
+
+    def failing_capture(fn, pool, before_capture):
+        out = fn()  # the warm-up forward; rows = the bucket being captured
+        if out.shape[0] == spec["fail_capture_bucket"]:
+            raise RuntimeError("injected capture failure (test)")
+        return real_capture(fn, pool, before_capture)
+
+    runner_mod.cuda_capture = failing_capture
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_moe_graphs.metrics_transport import collect_text
+
+
+def redraw_weights(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(zlib.crc32(name.encode()))
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return True
+
+
+def kill(on):
+    path = os.environ["MOE_GRAPHS_KILL_FILE"]
+    if on:
+        open(path, "w").close()
+    elif os.path.exists(path):
+        os.remove(path)
+    time.sleep(0.3)  # the switch is re-read at most every 100 ms
+
+
+t0 = time.perf_counter()
+llm = LLM(**spec["llm_kwargs"])
+result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": []}
+cfg = llm.llm_engine.vllm_config
+result["config"] = {"worker_cls": cfg.parallel_config.worker_cls,
+                    "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+                    "compilation_mode": str(cfg.compilation_config.mode),
+                    "attention_backend": str(cfg.attention_config.backend)}
+if spec.get("redraw"):
+    llm.apply_model(redraw_weights)
+params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
+                        logprobs=1, detokenize=False)
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+for phase in spec["phases"]:
+    if phase.get("sleep"):
+        llm.sleep(level=1)
+        llm.wake_up()
+    kill(phase["kill"])
+    b = phase["batch"]
+    t1 = time.perf_counter()
+    tokens, top1 = [], []
+    for i in range(0, len(prompts), b):
+        for out in llm.generate(prompts[i:i + b], params, use_tqdm=False):
+            c = out.outputs[0]
+            tokens.append(list(c.token_ids))
+            top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
+    kill(False)
+    result["phases"].append({**phase, "tokens": tokens, "seconds": round(time.perf_counter() - t1, 2),
+                             "mean_top1_logprob": sum(top1) / len(top1),
+                             "metrics": collect_text()})
+with open(spec["out"], "w") as f:
+    json.dump(result, f)
+print("ENGINE_DONE", result["config"], flush=True)
+"""
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (exposition text)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if not m:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def _shape_dir(tmp_path, shape: str) -> tuple[str, int]:
+    from vllm_moe_graphs.model_configs import read_hf_config
+
+    hf = read_hf_config(shape)
+    hf["num_hidden_layers"] = NUM_LAYERS
+    path = tmp_path / f"{shape}-{NUM_LAYERS}l"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path), int(hf["vocab_size"])
+
+
+def _prompts(vocab_size: int, n: int = NUM_PROMPTS) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, vocab_size - 10) for _ in range(8 + (i * 13) % 57)]
+            for i in range(n)]
+
+
+def _llm_kwargs(model: str, **extra) -> dict:
+    return {"model": model, "skip_tokenizer_init": True, "dtype": "bfloat16", "seed": 0,
+            "max_model_len": 512, "max_num_seqs": 64, "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.5, **extra}
+
+
+def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw=True,
+               max_tokens=MAX_TOKENS, env_extra=None, **spec_extra) -> dict:
+    out = tmp_path / f"{name}.json"
+    spec = {"llm_kwargs": llm_kwargs, "prompts": prompts, "phases": phases, "redraw": redraw,
+            "max_tokens": max_tokens, "out": str(out), **spec_extra}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+    # engine in this interpreter: the capture-failure injection patches it, sleep/wake is local
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _ENGINE, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0 and out.exists(), (
+        f"{name} engine failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["log_lines"] = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+                           if "moe_graphs" in ln][:60]
+    return result
+
+
+def report(name: str, data: dict) -> None:
+    print(json.dumps(data, indent=1, sort_keys=True, default=str)[:20000])
+    if (d := os.environ.get("MOE_GRAPHS_TEST_OUT")):
+        with open(os.path.join(d, f"{name}.json"), "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
+
+
+def _delta(phases: list[dict], i: int, name: str, **labels) -> float:
+    before = metric(phases[i - 1]["metrics"], name, **labels) if i else 0.0
+    return metric(phases[i]["metrics"], name, **labels) - before
+
+
+def parity_phases(batches=PARITY_BATCHES) -> list[dict]:
+    return [{"batch": b, "kill": k} for b in batches for k in (False, True)]
+
+
+def check_parity(result: dict) -> dict:
+    """Graph phase i*2 vs kill phase i*2+1: identical tokens; replays in the first, kill-switch
+    fallbacks (and no replay) in the second."""
+    phases, rows = result["phases"], []
+    for i in range(0, len(phases), 2):
+        g, k = phases[i], phases[i + 1]
+        same = sum(a == b for a, b in zip(g["tokens"], k["tokens"], strict=True))
+        rows.append({
+            "batch": g["batch"], "identical_sequences": same, "sequences": len(g["tokens"]),
+            "tokens_per_sequence": len(g["tokens"][0]),
+            "graph_s": g["seconds"], "eager_s": k["seconds"],
+            "replays": _delta(phases, i, "moe_graphs_replays_total"),
+            "replays_while_killed": _delta(phases, i + 1, "moe_graphs_replays_total"),
+            "kill_switch_fallbacks": _delta(phases, i + 1, "moe_graphs_eager_fallbacks_total",
+                                            reason="kill_switch"),
+            "mean_top1_logprob": round(g["mean_top1_logprob"], 3),
+        })
+    return {"rows": rows, "config": result["config"], "startup_s": result["startup_s"],
+            "mode_graphs": metric(phases[-1]["metrics"], "moe_graphs_info", mode="graphs"),
+            "captures": metric(phases[-1]["metrics"], "moe_graphs_captures_total"),
+            "pool_bytes": metric(phases[-1]["metrics"], "moe_graphs_pool_bytes"),
+            "scratch_bytes": metric(phases[-1]["metrics"], "moe_graphs_scratch_bytes"),
+            "log_lines": result["log_lines"]}
+
+
+def assert_parity(summary: dict) -> None:
+    assert summary["mode_graphs"] == 1, summary["log_lines"]
+    assert "MoeGraphsWorker" in summary["config"]["worker_cls"], summary["config"]
+    for row in summary["rows"]:
+        assert row["identical_sequences"] == row["sequences"], row
+        assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+        assert row["kill_switch_fallbacks"] > 0, row
+        assert row["mean_top1_logprob"] > -10.5, f"flat logits: comparison vacuous ({row})"
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_graphs_match_kill_switch_eager(shape, tmp_path):
+    model, vocab = _shape_dir(tmp_path, shape)
+    phases = parity_phases() + [{"batch": 8, "kill": False, "sleep": True},
+                                {"batch": 8, "kill": True}]
+    result = run_engine(tmp_path, shape, _llm_kwargs(model, load_format="dummy",
+                                                     enable_sleep_mode=True),
+                        _prompts(vocab), phases)
+    summary = check_parity(result)
+    # sleep(level=1) + wake_up: graphs dropped and recaptured, output unchanged
+    p = result["phases"]
+    summary["sleep"] = {
+        "identical_to_before_sleep": sum(a == b for a, b in zip(p[2]["tokens"], p[8]["tokens"],
+                                                                strict=True)),
+        "invalidations": _delta(p, 8, "moe_graphs_invalidations_total"),
+        "captures_after_wake": _delta(p, 8, "moe_graphs_captures_total"),
+        "replays_after_wake": _delta(p, 8, "moe_graphs_replays_total"),
+    }
+    report(f"parity-{shape}", summary)
+    assert_parity(summary)
+    assert summary["sleep"]["identical_to_before_sleep"] == NUM_PROMPTS, summary["sleep"]
+    assert summary["sleep"]["invalidations"] > 0, summary["sleep"]
+    assert summary["sleep"]["captures_after_wake"] > 0, summary["sleep"]
+
+
+def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
+    vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
+    result = run_engine(tmp_path, "tiny", _llm_kwargs(path), _prompts(vocab), parity_phases(),
+                        redraw=False)
+    summary = check_parity(result)
+    report("parity-tiny-checkpoint", summary)
+    assert_parity(summary)
+
+
+def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
+    model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
+    # batch 8's capture raises (quarantined); batch 1's capture then fills the 1 MiB budget, so
+    # batch 2 is denied with memory_budget. Each with graphs, then the same with the kill file.
+    phases = [{"batch": b, "kill": k} for b in (8, 1, 2) for k in (False, True)]
+    cfg = {"moe_graphs": {"graph_memory_budget_mib": 1}}
+    result = run_engine(tmp_path, "faults", _llm_kwargs(model, load_format="dummy",
+                                                        additional_config=cfg),
+                        _prompts(vocab, 16), phases, max_tokens=64, fail_capture_bucket=8)
+    last = result["phases"][-1]["metrics"]
+    summary = {
+        "identical": [sum(a == b for a, b in zip(result["phases"][i]["tokens"],
+                                                  result["phases"][i + 1]["tokens"], strict=True))
+                      for i in range(0, 6, 2)],
+        "capture_failures": metric(last, "moe_graphs_capture_failures_total"),
+        "capture_failed_fallbacks": metric(last, "moe_graphs_eager_fallbacks_total",
+                                           reason="capture_failed"),
+        "memory_budget_fallbacks": metric(last, "moe_graphs_eager_fallbacks_total",
+                                          reason="memory_budget"),
+        "captures": metric(last, "moe_graphs_captures_total"),
+        "replays": metric(last, "moe_graphs_replays_total"),
+        "log_lines": result["log_lines"],
+    }
+    report("faults", summary)
+    assert summary["identical"] == [16, 16, 16], summary
+    assert summary["capture_failures"] == 1 and summary["capture_failed_fallbacks"] > 0, summary
+    assert summary["captures"] == 1 and summary["replays"] > 0, summary
+    assert summary["memory_budget_fallbacks"] > 0, summary
+
+
+def test_disable_env_runs_stock_vllm(tmp_path):
+    model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
+    result = run_engine(tmp_path, "disabled", _llm_kwargs(model, load_format="dummy"),
+                        _prompts(vocab, 8), [{"batch": 8, "kill": False}], max_tokens=32,
+                        env_extra={"MOE_GRAPHS_DISABLE": "1"})
+    report("disabled", {"config": result["config"], "log_lines": result["log_lines"]})
+    assert result["config"]["worker_cls"] == "vllm.v1.worker.gpu_worker.Worker"
+    assert "FULL_AND_PIECEWISE" in result["config"]["cudagraph_mode"]
+    assert "moe_graphs_" not in result["phases"][0]["metrics"]
+    assert len(result["phases"][0]["tokens"]) == 8
+
+
+def test_kill_file_under_load_through_vllm_serve(tmp_path):
+    """200 concurrent requests through `vllm serve`; the kill file is created and removed while
+    they run. Zero failed requests; /metrics shows replays and kill_switch fallbacks."""
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / "tiny-serve"), head_dim=64)
+    kill_file = tmp_path / "serve.kill"
+    log = str(tmp_path / "serve.log")
+    with vllm_serve(path, None, log, args=("--max-num-seqs", "64"),
+                    env_extra={"MOE_GRAPHS_KILL_FILE": str(kill_file)}) as base:
+        def one(i: int) -> int:
+            body = {"model": path, "prompt": f"request {i} about graphs", "max_tokens": 48,
+                    "temperature": 0.0, "ignore_eos": True}
+            return len(post_json(base + "/v1/completions", body, timeout=120)["choices"][0]
+                       ["text"])
+
+        with concurrent.futures.ThreadPoolExecutor(200) as pool:
+            futures = [pool.submit(one, i) for i in range(200)]
+            time.sleep(1.0)
+            kill_file.touch()
+            mid = get(base + "/metrics")
+            time.sleep(1.5)
+            kill_file.unlink()
+            failures = [repr(f.exception()) for f in futures if f.exception() is not None]
+            done = sum(f.result() >= 0 for f in futures if f.exception() is None)
+        # after the load: a second wave, switch off, must replay again
+        for i in range(8):
+            one(1000 + i)
+        text = get(base + "/metrics")
+    summary = {"failures": failures[:5], "failed": len(failures), "completed": done,
+               "replays": metric(text, "moe_graphs_replays_total"),
+               "kill_switch_fallbacks": metric(text, "moe_graphs_eager_fallbacks_total",
+                                               reason="kill_switch"),
+               "kill_switch_fallbacks_mid": metric(mid, "moe_graphs_eager_fallbacks_total",
+                                                   reason="kill_switch"),
+               "mode_graphs": metric(text, "moe_graphs_info", mode="graphs"),
+               "log_tail": tail(log, 15)}
+    report("serve-kill-switch", summary)
+    assert summary["failed"] == 0 and done == 200, summary
+    assert summary["mode_graphs"] == 1 and summary["replays"] > 0, summary
+    assert summary["kill_switch_fallbacks"] > 0, summary
