@@ -27,18 +27,12 @@ left() { echo $((GUARD_S - ($(date +%s) - T0))); }
 say() { echo "[run.sh +$(($(date +%s) - T0))s] $*"; }
 
 say "repo $PWD, output $OUT, guard ${GUARD_S}s"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 if [ ! -f .gpu/install.sh ]; then
   say "ERROR: .gpu/install.sh missing: make the bundle (shared/gpu/README.md) and carry .gpu"
   exit 3
 fi
-eval "$(bash .gpu/install.sh install)" || { say "ERROR: bundle install failed"; exit 3; }
-if python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >/dev/null 2>&1; then
-  say "project installed (editable); plugin entry point registered"
-else
-  say "pip install -e . failed: using PYTHONPATH=$PWD (plugin entry point not registered)"
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=benchmarks/gpu/env.sh
+. benchmarks/gpu/env.sh || { say "ERROR: GPU environment setup failed"; exit 3; }
 python3 - <<'PY' || { echo "[run.sh] ERROR: vLLM bundle not importable"; exit 3; }
 import torch, vllm, triton
 print(f"[run.sh] vllm {vllm.__version__} torch {torch.__version__} triton {triton.__version__} "
