@@ -309,7 +309,9 @@ def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
 
 def test_disable_env_runs_stock_vllm(tmp_path):
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
-    result = run_engine(tmp_path, "disabled", _llm_kwargs(model, load_format="dummy"),
+    # TRITON_ATTN: stock vLLM's default backend (FlashAttention) is not in the GPU bundle
+    stock = _llm_kwargs(model, load_format="dummy", attention_config={"backend": "TRITON_ATTN"})
+    result = run_engine(tmp_path, "disabled", stock,
                         _prompts(vocab, 8), [{"batch": 8, "kill": False}], max_tokens=32,
                         env_extra={"MOE_GRAPHS_DISABLE": "1"})
     report("disabled", {"config": result["config"], "log_lines": result["log_lines"]})

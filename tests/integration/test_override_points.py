@@ -83,7 +83,7 @@ def test_overrides_are_exactly_the_docstring_table():
     overridden = {n for n in own if hasattr(GPUModelRunner, n)}
     assert overridden == set(OVERRIDES)
     helpers = own - overridden
-    assert all(n.startswith("_moe_") for n in helpers), helpers
+    assert all(n.startswith("_mg_") for n in helpers), helpers
     assert not set(CALLED) & own
 
     for name, params in OVERRIDES.items():  # same parameters and defaults as vLLM's
@@ -177,8 +177,8 @@ def _bare_runner(layers: dict):
     r = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)
     r.moe_config = PluginConfig()
     r.moe_storage = PagedKVStorage()
-    r._moe_layers = None
-    r._moe_graphs = None
+    r._mg_layers = None
+    r._mg_graphs = None
     r.cache_config = ns(cache_dtype="auto", num_gpu_blocks=4)
     ctx = {name: ns(kv_cache=t) for name, t in layers.items()}
     r.compilation_config = ns(static_forward_context=ctx)
@@ -191,8 +191,8 @@ def _bare_runner(layers: dict):
         block_table=ns(gpu=torch.zeros(8, 4, dtype=torch.int32)),
         slot_mapping=ns(gpu=torch.zeros(8, dtype=torch.int64)))]))
     r.attn_groups = []
-    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=r._moe_buffers())
-    r._moe_kv_watch = tuple((ctx[n], t) for n, t in layers.items())
+    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=r._mg_buffers())
+    r._mg_kv_watch = tuple((ctx[n], t) for n, t in layers.items())
     return r
 
 
@@ -235,8 +235,19 @@ def test_wake_up_notices_a_moved_input_buffer():
 def test_a_swapped_layer_tensor_is_seen_by_the_per_step_check():
     name = "model.layers.0.self_attn.attn"
     r = _bare_runner({name: _kv()})
-    assert not r._moe_kv_rebound()
+    assert not r._mg_kv_rebound()
     r.compilation_config.static_forward_context[name].kv_cache = _kv()  # same shape, new tensor
-    assert r._moe_kv_rebound()
-    r._moe_rebind("test swap")
+    assert r._mg_kv_rebound()
+    r._mg_rebind("test swap")
     assert r.moe_storage.proof().reason.value == "storage_identity_changed"
+
+
+def test_our_runner_attributes_do_not_collide_with_vllm():
+    # vLLM's runner has its own `_moe_*` attributes (e.g. `_moe_model` for EPLB); every name our
+    # subclass assigns or defines must be one vLLM's GPUModelRunner never uses.
+    ours_src = inspect.getsource(MoeGraphsModelRunner)
+    ours = set(re.findall(r"self\.(\w+)\s*(?::[^=]+)?=[^=]", ours_src))
+    ours |= {n for n in MoeGraphsModelRunner.__dict__ if not n.startswith("__")}
+    ours -= set(OVERRIDES) | set(CALLED) | {"model"}  # `model` is swapped on purpose (precapture)
+    theirs = set(re.findall(r"self\.(\w+)", inspect.getsource(gpu_model_runner)))
+    assert ours and not ours & theirs, sorted(ours & theirs)

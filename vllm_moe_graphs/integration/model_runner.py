@@ -163,14 +163,14 @@ class _PrecaptureModel:
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:
         r = self._runner
-        r._moe_args = kwargs
-        graphs = r._moe_graphs
+        r._mg_args = kwargs
+        graphs = r._mg_graphs
         result = graphs.precapture([self._key])[self._key]
         out = graphs.output(self._key) if result is Reason.ELIGIBLE else None
-        return out if out is not None else r._moe_model(**kwargs)
+        return out if out is not None else r._mg_model(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner._moe_model, name)
+        return getattr(self._runner._mg_model, name)
 
 
 class MoeGraphsModelRunner(GPUModelRunner):
@@ -180,30 +180,30 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().__init__(vllm_config, device)
         self.moe_config = PluginConfig.from_additional_config(vllm_config.additional_config)
         self.moe_storage = PagedKVStorage(metrics=_metrics_sink())
-        self._moe_layers: AttentionLayerRegistry | None = None
-        self._moe_graphs: DecodeGraphRunner | None = None
-        self._moe_executing = False  # inside execute_model (not a dummy/profile run)
-        self._moe_pending: tuple[Decision, int] | None = None  # (decision, max context)
-        self._moe_args: dict[str, Any] = {}  # the current step's model inputs
-        self._moe_kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
-        self._moe_precapture_key: GraphKey | None = None
-        self._moe_real_model: Any = None  # the model while capture_model swaps in the shim
+        self._mg_layers: AttentionLayerRegistry | None = None
+        self._mg_graphs: DecodeGraphRunner | None = None
+        self._mg_executing = False  # inside execute_model (not a dummy/profile run)
+        self._mg_pending: tuple[Decision, int] | None = None  # (decision, max context)
+        self._mg_args: dict[str, Any] = {}  # the current step's model inputs
+        self._mg_kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
+        self._mg_precapture_key: GraphKey | None = None
+        self._mg_real_model: Any = None  # the model while capture_model swaps in the shim
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
         from vllm_moe_graphs.integration.model_registry import register_model
 
-        self._moe_layers = register_model(self.get_model())
-        proof = self._moe_layers.proof()
+        self._mg_layers = register_model(self.get_model())
+        proof = self._mg_layers.proof()
         logger.info("moe_graphs: model layers %s%s", proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig,
                             is_profiling: bool = False) -> None:
         super().initialize_kv_cache(kv_cache_config, is_profiling=is_profiling)
-        self._moe_bind(Phase.PROFILING if is_profiling else Phase.SERVING)
+        self._mg_bind(Phase.PROFILING if is_profiling else Phase.SERVING)
         if not is_profiling:
-            self._moe_start_graphs()
+            self._mg_start_graphs()
 
     def _cleanup_profiling_kv_cache(self) -> None:
         # NOTE: unbind first: the storage holds strong references, and super() drops vLLM's and
@@ -218,9 +218,9 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().post_kv_cache_wake_up()
         # Sleep discarded the KV contents (and, at level 2, the weights): graphs captured before
         # are dropped even when every address survived, and recaptured on use.
-        if self._moe_graphs is not None:
-            self._moe_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "wake-up")
-        self._moe_revalidate("wake-up")
+        if self._mg_graphs is not None:
+            self._mg_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "wake-up")
+        self._mg_revalidate("wake-up")
 
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
                        weights_path: str | None = None,
@@ -228,26 +228,26 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().reload_weights(weights_iterator=weights_iterator, weights_path=weights_path,
                                is_checkpoint_format=is_checkpoint_format)
         # Weights may move on reload; a graph bakes their addresses in.
-        if self._moe_graphs is not None:
-            self._moe_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "weight reload")
-        self._moe_revalidate("weight reload")
+        if self._mg_graphs is not None:
+            self._mg_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "weight reload")
+        self._mg_revalidate("weight reload")
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
         finally:
-            if self._moe_graphs is not None:
-                self._moe_graphs.close()
+            if self._mg_graphs is not None:
+                self._mg_graphs.close()
             self.moe_storage.close()
 
     # -- per step --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput,
                       intermediate_tensors: IntermediateTensors | None = None) -> Any:
-        self._moe_executing, self._moe_pending = True, None
+        self._mg_executing, self._mg_pending = True, None
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            self._moe_executing, self._moe_pending, self._moe_args = False, None, {}
+            self._mg_executing, self._mg_pending, self._mg_args = False, None, {}
 
     def _determine_batch_execution_and_padding(
         self,
@@ -268,25 +268,25 @@ class MoeGraphsModelRunner(GPUModelRunner):
             use_cascade_attn, allow_microbatching=allow_microbatching, force_eager=force_eager,
             force_uniform_decode=force_uniform_decode, force_has_lora=force_has_lora,
             force_num_active_loras=force_num_active_loras, num_encoder_reqs=num_encoder_reqs)
-        graphs = self._moe_graphs
+        graphs = self._mg_graphs
         if graphs is None:
             return out
-        if self._moe_precapture_key is not None:  # capture_model's dummy batch
-            return self._moe_padded(out, self._moe_precapture_key.batch_bucket)
-        if not self._moe_executing:
+        if self._mg_precapture_key is not None:  # capture_model's dummy batch
+            return self._mg_padded(out, self._mg_precapture_key.batch_bucket)
+        if not self._mg_executing:
             return out  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
         # NOTE: host ints only (the scheduler's lengths); no GPU value is read here.
         decode = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
                   and not use_cascade_attn and not force_eager)
         max_context = int(self.optimistic_seq_lens_cpu.numpy()[:num_reqs].max()) if decode \
             else 0
-        if decode and self._moe_kv_rebound():
-            self._moe_rebind("a layer's KV tensor was rebound behind the storage")
+        if decode and self._mg_kv_rebound():
+            self._mg_rebind("a layer's KV tensor was rebound behind the storage")
         # Rows are query tokens: for a decode batch one per request; a mixed batch keeps all.
         d = graphs.decide(num_tokens, max_context, decode)
-        self._moe_pending = (d, max_context)
+        self._mg_pending = (d, max_context)
         if d.key is not None and d.batch_size == d.key.batch_bucket:  # replay/capture/warm-up
-            return self._moe_padded(out, d.batch_size)
+            return self._mg_padded(out, d.batch_size)
         return out
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
@@ -294,20 +294,20 @@ class MoeGraphsModelRunner(GPUModelRunner):
                        intermediate_tensors: IntermediateTensors | None = None,
                        inputs_embeds: torch.Tensor | None = None,
                        **model_kwargs: Any) -> Any:
-        pending, self._moe_pending = self._moe_pending, None
-        if pending is None or self._moe_graphs is None:
+        pending, self._mg_pending = self._mg_pending, None
+        if pending is None or self._mg_graphs is None:
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
         d, max_context = pending
-        self._moe_args = dict(input_ids=input_ids, positions=positions,
+        self._mg_args = dict(input_ids=input_ids, positions=positions,
                               intermediate_tensors=intermediate_tensors,
                               inputs_embeds=inputs_embeds, **model_kwargs)
-        out, _ = self._moe_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
+        out, _ = self._mg_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
                                       decision=d)
         return out
 
     def capture_model(self) -> int:
-        graphs = self._moe_graphs
+        graphs = self._mg_graphs
         if graphs is None:
             return super().capture_model()
         if not self.moe_config.precapture:
@@ -319,10 +319,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
         keys = graphs.all_keys()
         logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
         start = time.perf_counter()
-        real = self._moe_real_model = self.model
+        real = self._mg_real_model = self.model
         try:
             for i, key in enumerate(keys):
-                self._moe_precapture_key = key
+                self._mg_precapture_key = key
                 self.model = _PrecaptureModel(self, key)
                 try:
                     self._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
@@ -330,29 +330,29 @@ class MoeGraphsModelRunner(GPUModelRunner):
                                     is_graph_capturing=True)
                 finally:
                     self.model = real
-                    self._moe_precapture_key = None
+                    self._mg_precapture_key = None
                 if (i + 1) % 8 == 0 or i + 1 == len(keys):
                     logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
                                 time.perf_counter() - start)
         finally:
-            self._moe_real_model = None
+            self._mg_real_model = None
         return graphs.pool_bytes
 
     # -- helpers (names are ours: none shadows a GPUModelRunner attribute) -----------------------
     @property
-    def _moe_model(self) -> Any:
-        return self._moe_real_model if self._moe_real_model is not None else self.model
+    def _mg_model(self) -> Any:
+        return self._mg_real_model if self._mg_real_model is not None else self.model
 
-    def _moe_forward(self, batch_size: int) -> torch.Tensor:
+    def _mg_forward(self, batch_size: int) -> torch.Tensor:
         """The DecodeGraphRunner's forward: the model on this step's (padded) inputs."""
-        args = self._moe_args
+        args = self._mg_args
         ids = args.get("input_ids")
         rows = ids.shape[0] if ids is not None else args["inputs_embeds"].shape[0]
         assert rows >= batch_size, f"step has {rows} input rows, the runner asked {batch_size}"
-        return self._moe_model(**args)
+        return self._mg_model(**args)
 
     @staticmethod
-    def _moe_padded(out: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
+    def _mg_padded(out: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
         """vLLM's FULL runtime mode with a uniform-decode descriptor of `batch` rows."""
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import BatchDescriptor
@@ -360,7 +360,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         desc = BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True)
         return (CUDAGraphMode.FULL, desc, *out[2:])
 
-    def _moe_kv_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    def _mg_kv_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Layer name -> the KV tensor vLLM bound to that layer (`bind_kv_cache`)."""
         ctx: dict[str, Any] = self.compilation_config.static_forward_context
         out = {}
@@ -370,7 +370,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
                 out[name] = t
         return out
 
-    def _moe_buffers(self) -> dict[str, torch.Tensor]:
+    def _mg_buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers a decode graph reads (vLLM's inputs and our metadata)."""
         from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
 
@@ -387,8 +387,8 @@ class MoeGraphsModelRunner(GPUModelRunner):
                         bufs[f"attn.{gi}.{ai}.{name}"] = t
         return bufs
 
-    def _moe_bind(self, phase: Phase) -> None:
-        layers = self._moe_layers
+    def _mg_bind(self, phase: Phase) -> None:
+        layers = self._mg_layers
         if not self.moe_config.enabled or layers is None:
             return
         if not (proof := layers.proof()).holds:
@@ -396,14 +396,14 @@ class MoeGraphsModelRunner(GPUModelRunner):
                         proof.detail)
             return
         indices = layers.layer_indices
-        kv = self._moe_kv_tensors(indices)
+        kv = self._mg_kv_tensors(indices)
         if set(kv) != set(indices):
             logger.warning("moe_graphs: KV storage not bound: vLLM bound no KV tensor for %s",
                            sorted(set(indices) - set(kv)))
             return
         try:
             identity = self.moe_storage.bind(kv, phase=phase, layer_indices=indices,
-                                             buffers=self._moe_buffers())
+                                             buffers=self._mg_buffers())
         except ValueError as exc:  # e.g. another attention backend's layout: stock vLLM runs
             logger.warning("moe_graphs: KV storage not bound (%s phase): %s", phase.value, exc)
             return
@@ -412,26 +412,26 @@ class MoeGraphsModelRunner(GPUModelRunner):
         if not (match := layers.match_storage(identity)).holds:
             self.moe_storage.invalidate(match.detail)
         ctx = self.compilation_config.static_forward_context
-        self._moe_kv_watch = tuple((ctx[name], t) for name, t in kv.items())
+        self._mg_kv_watch = tuple((ctx[name], t) for name, t in kv.items())
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.moe_storage.generation,
                     self.moe_storage.proof().reason.value)
 
-    def _moe_kv_rebound(self) -> bool:
+    def _mg_kv_rebound(self) -> bool:
         """True when some attention layer no longer holds the tensor the storage bound: one
         identity check per layer (host only), so a swap is caught before the next replay."""
-        return any(layer.kv_cache is not t for layer, t in self._moe_kv_watch)
+        return any(layer.kv_cache is not t for layer, t in self._mg_kv_watch)
 
-    def _moe_rebind(self, why: str) -> None:
+    def _mg_rebind(self, why: str) -> None:
         """The storage's identity no longer matches vLLM's tensors: invalidate (metrics, graphs
         dropped through the listener), then bind afresh to what vLLM holds now."""
         if self.moe_storage.closed:
             return
         logger.warning("moe_graphs: %s; decode graphs dropped, rebinding", why)
         self.moe_storage.invalidate(why)
-        self._moe_bind(Phase.SERVING)
+        self._mg_bind(Phase.SERVING)
 
-    def _moe_start_graphs(self) -> None:
+    def _mg_start_graphs(self) -> None:
         """Create the DecodeGraphRunner once the serving bind holds, and record the runtime
         capability (metrics, log) either way."""
         from vllm_moe_graphs.integration import hooks
@@ -447,28 +447,28 @@ class MoeGraphsModelRunner(GPUModelRunner):
         report = hooks.record_capability(
             self.vllm_config, _rank(), proof,
             graphs_on=proof.holds and (vllm_own is None or vllm_own.name == "NONE"))
-        if self._moe_graphs is not None or not report.eligible or (
+        if self._mg_graphs is not None or not report.eligible or (
                 vllm_own is not None and vllm_own.name != "NONE"):
             return
         rec = recorder(_rank())
         config = graph_config(self.moe_config, self.max_num_reqs)
-        self._moe_graphs = DecodeGraphRunner(
-            self._moe_forward, config, storage=self.moe_storage,
+        self._mg_graphs = DecodeGraphRunner(
+            self._mg_forward, config, storage=self.moe_storage,
             kill_switch=KillSwitch.from_env(), metrics=rec)
-        self._moe_graphs.set_scratch_bytes(sum(
-            t.numel() * t.element_size() for t in self._moe_buffers().values()))
+        self._mg_graphs.set_scratch_bytes(sum(
+            t.numel() * t.element_size() for t in self._mg_buffers().values()))
         logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
                     "warm-up %d steps, pool budget %d MiB",
                     list(config.decode_batch_buckets),
                     list(self.moe_config.context_buckets), self.moe_config.warmup_steps,
                     self.moe_config.graph_memory_budget_mib)
 
-    def _moe_revalidate(self, event: str) -> None:
+    def _mg_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:
             return
         names = self.moe_storage.identity().layer_indices
-        proof = self.moe_storage.revalidate(self._moe_kv_tensors(names), self._moe_buffers())
+        proof = self.moe_storage.revalidate(self._mg_kv_tensors(names), self._mg_buffers())
         logger.info("moe_graphs: KV storage after %s: %s%s", event, proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
         if proof.reason is Reason.STORAGE_IDENTITY_CHANGED:
-            self._moe_rebind(f"KV storage changed at {event}")
+            self._mg_rebind(f"KV storage changed at {event}")
