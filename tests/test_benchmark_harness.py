@@ -115,19 +115,25 @@ def test_dry_run_plan(tmp_path: Path) -> None:
     plan = json.loads(out.stdout)
     assert plan["layers"] == {"qwen3-0.6b": 6, "qwen3-30b-a3b": 6}
     workers = plan["workers"]
-    stock = [m for m, mode in MODES.items() if mode.family is Family.STOCK]
-    assert [w["mode"] for w in workers] == stock * 2
+    # every mode: the plugin's hook exists, so its modes are planned too
+    assert [w["mode"] for w in workers] == list(MODES) * 2
     lens = {w["llm_kwargs"]["max_model_len"] for w in workers}
     assert len(lens) == 1 and lens.pop() >= 512 + 128 + 4
     for w in workers:
         kw = w["llm_kwargs"]
         assert kw["max_num_seqs"] == 8 and kw["load_format"] == "dummy"
         assert kw["skip_tokenizer_init"] is True and kw["enable_prefix_caching"] is False
-        assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
         assert kw["gpu_memory_utilization"] == 0.85 and kw["seed"] == 0
-        assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+        if MODES[w["mode"]].family is Family.STOCK:
+            assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
+            assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+        else:  # the plugin loads through its entry point and brings its own backend
+            assert kw["attention_config"] == {"backend": "CUSTOM"}
+            assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         assert read_config(kw["model"])["num_hidden_layers"] == 6
-    by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:4]}
+    by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:len(MODES)]}
+    assert by_mode["plugin_eager"]["enforce_eager"] is True
+    assert by_mode["plugin_graphs"]["additional_config"] == {"moe_graphs": {}}
     assert by_mode["stock_eager"]["enforce_eager"] is True
     assert "compilation_config" not in by_mode["stock_graphs"]
     assert by_mode["stock_full_decode"]["compilation_config"] == {
@@ -139,19 +145,16 @@ def test_dry_run_plan(tmp_path: Path) -> None:
     }
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("vllm_moe_graphs") is not None
-    and hasattr(__import__("vllm_moe_graphs"), "benchmark_llm_kwargs"),
-    reason="the plugin hook exists now",
-)
-def test_plugin_modes_absent_until_the_hook_exists() -> None:
+def test_plugin_modes_come_from_the_plugin_hook() -> None:
+    import vllm_moe_graphs
+
     for name in ("plugin_eager", "plugin_graphs"):
         availability = MODES[name].available()
-        assert not availability.ok
-        assert availability.reason in (AbsentReason.NOT_IMPLEMENTED, AbsentReason.NOT_IMPORTABLE)
-        assert availability.text().startswith(availability.reason.value)
-        with pytest.raises(NotImplementedError):
-            MODES[name].llm_kwargs({})
+        assert availability.ok, availability.text()
+        kw = MODES[name].llm_kwargs({"attention_config": {"backend": "TRITON_ATTN"}})
+        assert kw["attention_config"] == {"backend": "CUSTOM"}
+    with pytest.raises(NotImplementedError, match="unknown plugin benchmark mode"):
+        vllm_moe_graphs.benchmark_llm_kwargs("plugin_turbo")
 
 
 def test_time_budget_deadlines() -> None:
@@ -546,6 +549,7 @@ def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
     rejects a misspelt compilation_config key."""
     args = decode.run_parser().parse_args(["--models", "qwen3-0.6b", "--dry-run"])
     specs, _, _, _ = sweep.plan(args, tmp_path)
+    specs = [s for s in specs if MODES[s.mode].family is Family.STOCK]
     bad = dataclasses.replace(
         specs[0],
         mode="misspelt",
