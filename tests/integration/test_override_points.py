@@ -251,3 +251,102 @@ def test_our_runner_attributes_do_not_collide_with_vllm():
     ours -= set(OVERRIDES) | set(CALLED) | {"model"}  # `model` is swapped on purpose (precapture)
     theirs = set(re.findall(r"self\.(\w+)", inspect.getsource(gpu_model_runner)))
     assert ours and not ours & theirs, sorted(ours & theirs)
+
+
+# -- the per-step path: vLLM's own _determine_batch_execution_and_padding body runs under ours.
+def _stepping_runner(warmup_steps: int = 1):
+    import types
+
+    import torch
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from tests.graphs.test_runner import Emulated
+    from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+
+    ns = types.SimpleNamespace
+    r = _bare_runner({"model.layers.0.self_attn.attn": _kv()})
+    r.moe_storage.check_devices("cpu", "cpu")
+    r.uniform_decode_query_len = 1
+    r.model_config = ns(is_encoder_decoder=False)
+    r.input_batch.lora_id_to_lora_request = {}
+    r.compilation_config.pass_config = ns(enable_sp=False)
+    r.vllm_config = ns(parallel_config=ns(data_parallel_size=1, tensor_parallel_size=1),
+                       observability_config=ns(cudagraph_metrics=False))
+    r.parallel_config = r.vllm_config.parallel_config
+    # vLLM's dispatcher with cudagraph_mode=NONE (what the take-over configures): no padding
+    r.cudagraph_dispatcher = ns(dispatch=lambda num_tokens, **_: (CUDAGraphMode.NONE,
+                                                                  BatchDescriptor(num_tokens)))
+    r.optimistic_seq_lens_cpu = torch.zeros(8, dtype=torch.int32)
+    r.model = lambda input_ids, **_: input_ids.float()[:, None] * 2  # [T, 1]
+    r._mg_executing, r._mg_pending, r._mg_args = True, None, {}
+    r._mg_precapture_key, r._mg_real_model = None, None
+    capture = Emulated()
+    r._mg_graphs = DecodeGraphRunner(r._mg_forward, PluginConfig(warmup_steps=warmup_steps),
+                                     storage=r.moe_storage, capture_fn=capture, new_pool=object)
+    return r, capture, CUDAGraphMode
+
+
+def _step(r, num_reqs: int, query_lens: list[int]):
+    import numpy as np
+    import torch
+
+    num_tokens = sum(query_lens)
+    r.optimistic_seq_lens_cpu[:num_reqs] = torch.arange(10, 10 + num_reqs)
+    mode, desc, *_ = r._determine_batch_execution_and_padding(
+        num_tokens, num_reqs, np.array(query_lens, dtype=np.int32), max(query_lens), False)
+    ids = torch.arange(1, desc.num_tokens + 1, dtype=torch.int32)  # vLLM slices its buffer
+    out = r._model_forward(input_ids=ids, positions=ids.long())
+    return mode, desc, out
+
+
+def test_decode_steps_pad_to_the_bucket_warm_up_capture_replay_and_slice():
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    # 3 decode rows -> bucket 4: padded FULL descriptor; the model sees 4 rows, vLLM gets 3
+    for expected in ("warm-up", "capture", "replay", "replay"):
+        mode, desc, out = _step(r, 3, [1, 1, 1])
+        assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (4, 4), expected
+        assert out.shape == (3, 1) and out[:, 0].tolist() == [2.0, 4.0, 6.0], expected
+    assert capture.captures == 1 and capture.replays == 3  # one replay right after capture
+    assert r._mg_pending is None
+
+
+def test_mixed_batch_runs_eager_unpadded_and_keeps_every_token():
+    r, capture, mode_enum = _stepping_runner()
+    mode, desc, out = _step(r, 2, [5, 1])  # a prefill chunk next to a decode row
+    assert mode is mode_enum.NONE and desc.num_tokens == 6
+    assert out.shape == (6, 1) and capture.captures == 0
+
+
+def test_kill_switch_runs_decode_eager_unpadded(tmp_path):
+    from vllm_moe_graphs.killswitch import KillSwitch
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=0)
+    _step(r, 3, [1, 1, 1])  # captured
+    kill = tmp_path / "kill"
+    kill.touch()
+    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
+    mode, desc, out = _step(r, 3, [1, 1, 1])
+    assert mode is mode_enum.NONE and desc.num_tokens == 3 and out.shape == (3, 1)
+    assert capture.replays == 1 and r._mg_graphs.keys  # graphs kept, none replayed
+
+
+def test_swapped_kv_tensor_drops_graphs_before_the_next_replay():
+    r, capture, mode_enum = _stepping_runner(warmup_steps=0)
+    _step(r, 3, [1, 1, 1])
+    assert r._mg_graphs.keys
+    r.compilation_config.static_forward_context["model.layers.0.self_attn.attn"].kv_cache = _kv()
+    mode, desc, out = _step(r, 3, [1, 1, 1])
+    # caught in the per-step check: graphs dropped; the bare runner has no layer registry, so
+    # no fresh bind happens and the step runs eager with the storage's reason
+    assert not r._mg_graphs.keys and capture.replays == 1
+    assert mode is mode_enum.NONE and out.shape == (3, 1)
+    assert r.moe_storage.proof().reason.value == "storage_identity_changed"
+
+
+def test_dummy_runs_outside_execute_model_are_left_to_vllm():
+    r, capture, mode_enum = _stepping_runner(warmup_steps=0)
+    r._mg_executing = False
+    mode, desc, out = _step(r, 3, [1, 1, 1])
+    assert mode is mode_enum.NONE and desc.num_tokens == 3 and capture.captures == 0

@@ -218,8 +218,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().post_kv_cache_wake_up()
         # Sleep discarded the KV contents (and, at level 2, the weights): graphs captured before
         # are dropped even when every address survived, and recaptured on use.
-        if self._mg_graphs is not None:
-            self._mg_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "wake-up")
+        self._mg_drop_graphs("wake-up")
         self._mg_revalidate("wake-up")
 
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -228,8 +227,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().reload_weights(weights_iterator=weights_iterator, weights_path=weights_path,
                                is_checkpoint_format=is_checkpoint_format)
         # Weights may move on reload; a graph bakes their addresses in.
-        if self._mg_graphs is not None:
-            self._mg_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, "weight reload")
+        self._mg_drop_graphs("weight reload")
         self._mg_revalidate("weight reload")
 
     def shutdown(self) -> None:
@@ -416,6 +414,15 @@ class MoeGraphsModelRunner(GPUModelRunner):
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.moe_storage.generation,
                     self.moe_storage.proof().reason.value)
+
+    def _mg_drop_graphs(self, event: str) -> None:
+        """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
+        discards contents at the same addresses; a reload may move weights); counted in
+        `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
+        if self._mg_graphs is None or self._mg_graphs.closed:
+            return
+        self._mg_graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, event)
+        _metrics_sink().record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
 
     def _mg_kv_rebound(self) -> bool:
         """True when some attention layer no longer holds the tensor the storage bound: one
