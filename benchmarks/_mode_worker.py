@@ -237,11 +237,56 @@ def run(
         return TokensPrompt(prompt_token_ids=ids)
 
     measure_points(llm, spec, result, save, make_params, make_prompt)
+    plugin = plugin_counters()
+    if plugin is not None:
+        # Lazy capture: the plugin's pool and capture time exist only after the points ran.
+        result.resolved["moe_graphs"] = plugin
+        result.graph_mem_mib = plugin["pool_bytes"] / 2**20
+        result.capture_s = plugin["capture_seconds"]
+        save()
+        say(f"{spec.model} {spec.mode}: plugin {plugin}")
     try:
         result.bandwidth_gbps = measure_bandwidth(torch) if on_gpu else None
     except Exception as exc:  # noqa: BLE001 - the floor is optional; the TPOT rows are not
         result.resolved["bandwidth_error"] = format_error(exc, limit=500)
     say(f"{spec.model} {spec.mode}: copy bandwidth {_fmt(result.bandwidth_gbps)} GB/s")
+
+
+def plugin_counters() -> dict[str, Any] | None:
+    """The plugin's own counters (replays, fallbacks by reason, captures, pool) when it is
+    loaded in this process and took decode graphs over; None otherwise."""
+    if "vllm_moe_graphs.metrics" not in sys.modules:
+        return None
+    from vllm_moe_graphs.metrics_transport import collect_text
+
+    text = collect_text()
+    if 'moe_graphs_info{' not in text:
+        return None
+    out: dict[str, Any] = {"fallbacks": {}}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        v = float(value)
+        if name == "moe_graphs_eager_fallbacks_total" and v:
+            reason = name_labels.split('reason="', 1)[1].split('"', 1)[0]
+            out["fallbacks"][reason] = out["fallbacks"].get(reason, 0) + v
+        elif name == "moe_graphs_info" and v:
+            out["mode"] = name_labels.split('mode="', 1)[1].split('"', 1)[0]
+        else:
+            key = {"moe_graphs_replays_total": "replays",
+                   "moe_graphs_captures_total": "captures",
+                   "moe_graphs_capture_failures_total": "capture_failures",
+                   "moe_graphs_capture_seconds_sum": "capture_seconds",
+                   "moe_graphs_pool_bytes": "pool_bytes",
+                   "moe_graphs_scratch_bytes": "scratch_bytes"}.get(name)
+            if key:
+                out[key] = out.get(key, 0) + v
+    for key in ("replays", "captures", "capture_failures", "capture_seconds", "pool_bytes",
+                "scratch_bytes"):
+        out.setdefault(key, 0)
+    return out
 
 
 def measure_points(

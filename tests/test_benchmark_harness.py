@@ -578,3 +578,29 @@ def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
     assert by_mode["stock_full_decode"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert by_mode["stock_full_decode_nc"]["compilation_mode"] == "NONE"
     assert "compilation_config.cuda_graph_mode" in lines[-1]["error"]
+
+
+def test_plugin_counters_read_the_plugins_metrics() -> None:
+    """The mode worker's summary of the plugin's own counters (replays, fallbacks, pool), read
+    back through the real metrics transport in a fresh interpreter."""
+    code = """
+import json
+from vllm_moe_graphs import metrics_transport
+from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.metrics import Mode, recorder
+metrics_transport.setup_root()
+rec = recorder(0)
+rec.set_mode(Mode.GRAPHS)
+rec.replay(5); rec.fallback(Reason.MIXED_BATCH, 2); rec.capture(0.25)
+rec.set_memory(3 * 2**20, 1024)
+from benchmarks._mode_worker import plugin_counters
+print(json.dumps(plugin_counters()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("MOE_")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["mode"] == "graphs" and got["replays"] == 5 and got["captures"] == 1
+    assert got["fallbacks"] == {"mixed_batch": 2} and got["pool_bytes"] == 3 * 2**20
+    assert got["capture_seconds"] == pytest.approx(0.25) and got["scratch_bytes"] == 1024
