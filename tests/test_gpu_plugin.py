@@ -9,15 +9,14 @@ import textwrap
 
 import pytest
 
+from tests.gpu_util import require_cuda_and_vllm
+
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _needs_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("vllm")
+    require_cuda_and_vllm()
 
 
 def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -49,6 +49,8 @@ import time
 
 import pytest
 
+from tests.gpu_util import require_cuda_and_vllm, shape_dir
+
 pytestmark = pytest.mark.gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,35 +74,17 @@ CASES = {
 
 # Runs in a fresh interpreter: argv[1] is a JSON spec, the result goes to spec["out"].
 _ENGINE = r"""
-import json, sys, time, zlib
+import functools, json, sys, time
 spec = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from tests.gpu_util import redraw_weights
 
 if spec["backend"] == "CUSTOM":
     from vllm_moe_graphs.integration.attention_registry import register_attention_backend
     register_attention_backend()
-
-
-def redraw_weights(model):
-    # Seeded per parameter name: identical in every run on the same GPU.
-    count = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.is_floating_point():
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                gen = torch.Generator(device=p.device)
-                gen.manual_seed(zlib.crc32(name.encode()) + spec["seed"])
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-            else:
-                continue
-            count += 1
-    return count
 
 
 def attention_impls(model):
@@ -110,7 +94,7 @@ def attention_impls(model):
 
 llm = LLM(**spec["llm_kwargs"])
 startup_s = time.perf_counter() - t0
-redrawn = llm.apply_model(redraw_weights)[0]
+redrawn = llm.apply_model(functools.partial(redraw_weights, seed=spec["seed"]))[0]
 impls = llm.apply_model(attention_impls)[0]
 config = llm.llm_engine.vllm_config
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
@@ -232,10 +216,7 @@ def check(summary: dict) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _needs_cuda_and_vllm():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("vllm")
+    require_cuda_and_vllm()
 
 
 @pytest.fixture(scope="module")
@@ -255,14 +236,7 @@ def summary_file():
 
 
 def _model_dir(tmp_path, shape: str) -> tuple[str, int]:
-    from vllm_moe_graphs.model_configs import read_hf_config
-
-    hf = read_hf_config(shape)
-    hf["num_hidden_layers"] = NUM_LAYERS
-    path = tmp_path / f"{shape}-{NUM_LAYERS}l"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(hf))
-    return str(path), int(hf["vocab_size"])
+    return shape_dir(tmp_path, shape, NUM_LAYERS)
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ import time
 
 import pytest
 
+from tests.gpu_util import require_cuda_and_vllm, shape_dir
 from tests.serve_util import get, post_json, tail, vllm_serve
 
 pytestmark = pytest.mark.gpu
@@ -42,15 +43,12 @@ ENGINE_TIMEOUT_S = 420
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_and_vllm():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("vllm")
+    require_cuda_and_vllm()
 
 
 # Runs in a fresh interpreter: argv[1] is a JSON spec; the result goes to spec["out"].
 _ENGINE = r"""
-import json, os, sys, time, zlib
+import json, os, sys, time
 spec = json.loads(sys.argv[1])
 import torch
 
@@ -69,20 +67,7 @@ if spec.get("fail_capture_bucket"):
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_moe_graphs.metrics_transport import collect_text
-
-
-def redraw_weights(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.is_floating_point():
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                gen = torch.Generator(device=p.device)
-                gen.manual_seed(zlib.crc32(name.encode()))
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-    return True
+from tests.gpu_util import redraw_weights
 
 
 def kill(on):
@@ -157,14 +142,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def _shape_dir(tmp_path, shape: str) -> tuple[str, int]:
-    from vllm_moe_graphs.model_configs import read_hf_config
-
-    hf = read_hf_config(shape)
-    hf["num_hidden_layers"] = NUM_LAYERS
-    path = tmp_path / f"{shape}-{NUM_LAYERS}l"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(hf))
-    return str(path), int(hf["vocab_size"])
+    return shape_dir(tmp_path, shape, NUM_LAYERS)
 
 
 def _prompts(vocab_size: int, n: int = NUM_PROMPTS) -> list[list[int]]:
