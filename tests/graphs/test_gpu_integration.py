@@ -119,7 +119,8 @@ for phase in spec["phases"]:
             tokens.append(list(c.token_ids))
             top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
     kill(False)
-    result["phases"].append({**phase, "tokens": tokens, "seconds": round(time.perf_counter() - t1, 2),
+    seconds = round(time.perf_counter() - t1, 2)
+    result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
                              "mean_top1_logprob": sum(top1) / len(top1),
                              "metrics": collect_text()})
 with open(spec["out"], "w") as f:
@@ -165,7 +166,8 @@ def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
     # engine in this interpreter: the capture-failure injection patches it, sleep/wake is local
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _ENGINE, json.dumps(spec)], env=env,

@@ -298,10 +298,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
                                           inputs_embeds, **model_kwargs)
         d, max_context = pending
         self._mg_args = dict(input_ids=input_ids, positions=positions,
-                              intermediate_tensors=intermediate_tensors,
-                              inputs_embeds=inputs_embeds, **model_kwargs)
+                             intermediate_tensors=intermediate_tensors,
+                             inputs_embeds=inputs_embeds, **model_kwargs)
         out, _ = self._mg_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
-                                      decision=d)
+                                     decision=d)
         return out
 
     def capture_model(self) -> int:
