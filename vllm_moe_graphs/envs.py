@@ -87,6 +87,16 @@ def get_raw(name: str) -> str | None:
     return os.environ.get(name)
 
 
+# vLLM's own variable, read and set by the decode-graph take-over only (integration/hooks.py):
+# "0" makes every vLLM process pick the V1 model runner, also for dense Qwen3.
+VLLM_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def select_vllm_v1_runner() -> None:
+    """Export VLLM_USE_V2_MODEL_RUNNER=0 for this process and every engine process it starts."""
+    os.environ[VLLM_RUNNER_VARIABLE] = "0"
+
+
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()

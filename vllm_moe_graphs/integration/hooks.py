@@ -7,6 +7,7 @@ import multiprocessing
 import os
 from typing import TYPE_CHECKING
 
+from vllm_moe_graphs import envs
 from vllm_moe_graphs.capability import (
     DecodeGraphCapability,
     Proof,
@@ -37,7 +38,7 @@ def engine_capability(vllm_config: VllmConfig) -> tuple[PluginConfig, DecodeGrap
 
 WORKER_CLS = "vllm_moe_graphs.integration.worker.MoeGraphsWorker"
 STOCK_WORKER_CLS = ("auto", "vllm.v1.worker.gpu_worker.Worker")
-V1_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own variable: "0" selects the V1 runner
+V1_RUNNER_ENV = envs.VLLM_RUNNER_VARIABLE  # vLLM's own variable: "0" selects the V1 runner
 
 
 def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[str]]:
@@ -60,9 +61,10 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
         conflicts.append(f"--worker-cls {pc.worker_cls}")
     if ac.backend not in (None, AttentionBackendEnum.CUSTOM):
         conflicts.append(f"--attention-backend {ac.backend.name}")
-    v1_env = os.environ.get(V1_RUNNER_ENV, "").strip().lower()
+    raw = envs.get_raw(V1_RUNNER_ENV)
+    v1_env = (raw or "").strip().lower()
     if v1_env not in ("", "0", "false"):
-        conflicts.append(f"{V1_RUNNER_ENV}={os.environ[V1_RUNNER_ENV]}")
+        conflicts.append(f"{V1_RUNNER_ENV}={raw}")
     if conflicts:
         return [], conflicts
     edits = []
@@ -86,7 +88,7 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
         cc.mode = CompilationMode.NONE
         edits.append("compilation mode NONE")
     if v1_env == "":
-        os.environ[V1_RUNNER_ENV] = "0"
+        envs.select_vllm_v1_runner()
         edits.append(f"{V1_RUNNER_ENV}=0")
     return edits, conflicts
 
