@@ -34,7 +34,7 @@ top-1 logprob > -10.5; -ln 151936 = -11.93), i.e. the weight re-draw took effect
 logprobs=2 (the sampled token plus the runner-up) to classify near-ties; the report also gives
 the identical-token fraction.
 
-Set MOE_GRAPHS_TEST_OUT=/path/summary.json to get the per-case numbers as JSON. Budget: six
+Set MOE_GRAPHS_TEST_OUT=/dir to get the per-case numbers as JSON (backend-e2e.json there). Budget: six
 engine starts of ~25-35 s each, under ~4 minutes on an H200.
 """
 
@@ -226,9 +226,9 @@ def summary_file():
 
     def record(case: str, data: dict) -> None:
         collected[case] = data
-        path = os.environ.get("MOE_GRAPHS_TEST_OUT")
-        if path:
-            with open(path, "w") as f:
+        out_dir = os.environ.get("MOE_GRAPHS_TEST_OUT")
+        if out_dir:
+            with open(os.path.join(out_dir, "backend-e2e.json"), "w") as f:
                 json.dump({"test": "tests/attention/test_gpu_backend_e2e.py",
                            "cases": collected}, f, indent=2, sort_keys=True)
 
