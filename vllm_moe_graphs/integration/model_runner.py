@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import BatchDescriptor
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_moe_graphs.capability import Reason
@@ -312,8 +314,6 @@ class MoeGraphsModelRunner(GPUModelRunner):
             logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
                         "bucket after %d warm-up steps", self.moe_config.warmup_steps)
             return 0
-        from vllm.config import CUDAGraphMode
-
         keys = graphs.all_keys()
         logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
         start = time.perf_counter()
@@ -352,9 +352,6 @@ class MoeGraphsModelRunner(GPUModelRunner):
     @staticmethod
     def _mg_padded(out: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
         """vLLM's FULL runtime mode with a uniform-decode descriptor of `batch` rows."""
-        from vllm.config import CUDAGraphMode
-        from vllm.forward_context import BatchDescriptor
-
         desc = BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True)
         return (CUDAGraphMode.FULL, desc, *out[2:])
 
