@@ -237,6 +237,10 @@ def run(
         return TokensPrompt(prompt_token_ids=ids)
 
     measure_points(llm, spec, result, save, make_params, make_prompt)
+    if os.environ.get("BENCH_PROFILE_DIR") and on_gpu:
+        from benchmarks.profile_steps import profile_run
+
+        profile_run(llm, spec, make_params, make_prompt, os.environ["BENCH_PROFILE_DIR"])
     plugin = plugin_counters()
     if plugin is not None:
         # Lazy capture: the plugin's pool and capture time exist only after the points ran.

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plot, report, sweep
-from benchmarks.modes import MODES, parse_modes
+from benchmarks.modes import DEFAULT_MODES, MODES, parse_modes
 from benchmarks.protocol import (
     spec_to_json,
 )
@@ -77,8 +77,9 @@ def run_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--modes",
         type=_str_list,
-        default=list(MODES),
-        help=f"comma-separated modes, run in this order (default: {','.join(MODES)})",
+        default=list(DEFAULT_MODES),
+        help=f"comma-separated modes, run in this order (default: {','.join(DEFAULT_MODES)}; "
+        f"diagnostic, on request: {','.join(m for m in MODES if m not in DEFAULT_MODES)})",
     )
     ap.add_argument(
         "--batches",

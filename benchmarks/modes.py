@@ -59,6 +59,8 @@ class Mode:
     description: str
     extra_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     startup_estimate_s: float = 60.0  # rough, for --time-budget-s planning only
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra worker environment
+    diagnostic: bool = False  # a variant for finding where time goes; never a reference mode
 
     @property
     def budget_weight(self) -> float:
@@ -86,6 +88,7 @@ class Mode:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine in-process: we drive its steps
         if self.family is Family.STOCK:
             env["VLLM_PLUGINS"] = ""  # load no general plugin: stock means stock
+        env.update(self.env)
         return env
 
 
@@ -125,6 +128,17 @@ MODES: dict[str, Mode] = {
             startup_estimate_s=35.0,
         ),
         Mode(
+            "stock_full_decode_nc_v1",
+            Family.STOCK,
+            True,
+            "diagnostic: stock_full_decode_nc on vLLM's V1 model runner (the one the plugin "
+            "extends), VLLM_USE_V2_MODEL_RUNNER=0: separates runner overhead from the plugin's",
+            {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}},
+            startup_estimate_s=35.0,
+            env={"VLLM_USE_V2_MODEL_RUNNER": "0"},
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_eager",
             Family.PLUGIN,
             False,
@@ -140,9 +154,12 @@ MODES: dict[str, Mode] = {
         ),
     )
 }
-STOCK_GRAPH_MODES = tuple(n for n, m in MODES.items() if m.family is Family.STOCK and m.graphs)
+STOCK_GRAPH_MODES = tuple(
+    n for n, m in MODES.items() if m.family is Family.STOCK and m.graphs and not m.diagnostic
+)
 EAGER_MODES = tuple(n for n, m in MODES.items() if not m.graphs)
 GRAPH_MODES = tuple(n for n, m in MODES.items() if m.graphs)
+DEFAULT_MODES = tuple(n for n, m in MODES.items() if not m.diagnostic)  # what a plain run runs
 
 
 def parse_modes(names: list[str]) -> list[Mode]:

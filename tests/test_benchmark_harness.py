@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks import _mode_worker as worker
 from benchmarks import decode, report, sweep, vllm_facts
-from benchmarks.modes import MODES, AbsentReason, Family
+from benchmarks.modes import DEFAULT_MODES, MODES, AbsentReason, Family
 from benchmarks.protocol import PointResult, WorkerResult, WorkerSpec
 from benchmarks.shapes import (
     ModelShape,
@@ -116,7 +116,9 @@ def test_dry_run_plan(tmp_path: Path) -> None:
     assert plan["layers"] == {"qwen3-0.6b": 6, "qwen3-30b-a3b": 6}
     workers = plan["workers"]
     # every mode: the plugin's hook exists, so its modes are planned too
-    assert [w["mode"] for w in workers] == list(MODES) * 2
+    assert [w["mode"] for w in workers] == list(DEFAULT_MODES) * 2
+    assert all(not MODES[m].diagnostic for m in DEFAULT_MODES)
+    assert MODES["stock_full_decode_nc_v1"].diagnostic
     lens = {w["llm_kwargs"]["max_model_len"] for w in workers}
     assert len(lens) == 1 and lens.pop() >= 512 + 128 + 4
     for w in workers:
@@ -131,7 +133,7 @@ def test_dry_run_plan(tmp_path: Path) -> None:
             assert kw["attention_config"] == {"backend": "CUSTOM"}
             assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         assert read_config(kw["model"])["num_hidden_layers"] == 6
-    by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:len(MODES)]}
+    by_mode = {w["mode"]: w["llm_kwargs"] for w in workers[:len(DEFAULT_MODES)]}
     assert by_mode["plugin_eager"]["enforce_eager"] is True
     assert by_mode["plugin_graphs"]["additional_config"] == {"moe_graphs": {}}
     assert by_mode["stock_eager"]["enforce_eager"] is True

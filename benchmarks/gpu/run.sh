@@ -14,7 +14,8 @@
 #   $OUT/<name>.json, .png    the benchmark result and plot (name from --name, default "decode")
 #   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
 #   $OUT/nvidia-smi.txt       the GPU at the end
-# Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, and
+# Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
+# (also profile each mode's batches: benchmarks/profile_steps.py), and
 # BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit).
 set -uo pipefail
 T0=$(date +%s)
@@ -53,6 +54,9 @@ if [ "${SKIP_PYTEST:-0}" != 1 ]; then
 fi
 
 LOGDIR=$(mktemp -d /tmp/decode-bench-XXXX)
+# BENCH_PROFILE=1: each mode worker also profiles its batches (benchmarks/profile_steps.py);
+# the reports land in worker-logs.tar.gz as profile-<model>-<mode>.txt.
+[ "${BENCH_PROFILE:-0}" = 1 ] && export BENCH_PROFILE_DIR=$LOGDIR
 BUDGET=$(( $(left) - 25 ))   # kept back: tar, nvidia-smi, tee
 if [ "$BUDGET" -lt 60 ]; then
   say "ERROR: only ${BUDGET}s left for the benchmark; raise RUN_GUARD_S or skip pytest (SKIP_PYTEST=1)"

@@ -1,0 +1,164 @@
+"""Where a decode step's time goes: GPU kernels vs host work, one engine, one batch.
+
+Used by the mode worker when `BENCH_PROFILE_DIR` is set (`benchmarks/gpu/run.sh` sets it with
+`BENCH_PROFILE=1`): after the timed points, for each batch of the run it
+
+1. adds `batch` requests, steps the engine until every request decodes, then times
+   `steps` decode-only steps with no profiler (the baseline wall time per step);
+2. runs `steps` more under `torch.profiler` (CPU + CUDA): GPU kernel time per step (kernels
+   replayed from CUDA graphs included), the top kernels, the top host ranges;
+3. runs `steps` more under `cProfile`: the Python functions of this thread by own and
+   cumulative time (the host side of a step: scheduler, runner, sampler, our hooks).
+
+and writes everything to `<dir>/profile-<model>-<mode>.txt`. The profilers slow the host down;
+the GPU kernel times and the relative host breakdown are what to read, the baseline is the
+comparable wall time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+TOP_KERNELS = 25
+TOP_HOST_RANGES = 30
+TOP_FUNCTIONS = 45
+
+
+class _Decoding:
+    """`batch` requests kept in decode: `step()` returns True for a decode-only engine step."""
+
+    def __init__(self, llm: Any, batch: int, context: int, max_tokens: int, vocab: int,
+                 make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+                 tag: str) -> None:
+        import random
+
+        rng = random.Random(0)
+        self.engine = llm.llm_engine
+        prompts = [make_prompt([rng.randrange(vocab) for _ in range(context)])
+                   for _ in range(batch)]
+        self.ids = [f"{tag}-{i}" for i in range(batch)]
+        params = make_params(max_tokens)
+        for rid, engine_input in zip(self.ids, llm._preprocess_cmpl(prompts)):
+            self.engine.add_request(rid, engine_input, params)
+        self.batch = batch
+        self.counts = dict.fromkeys(self.ids, 0)
+
+    def step(self) -> bool:
+        outputs = self.engine.step()
+        new = {}
+        for out in outputs or ():
+            new[out.request_id] = new.get(out.request_id, 0) + sum(
+                len(c.token_ids) for c in out.outputs)
+        ready = all(c >= 1 for c in self.counts.values())
+        for rid, n in new.items():
+            self.counts[rid] += n
+        return ready and len(new) == self.batch and all(n == 1 for n in new.values())
+
+    def until_decoding(self, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if self.step():
+                return
+        raise RuntimeError(f"batch {self.batch} never reached a decode-only step")
+
+    def close(self) -> None:
+        if self.engine.has_unfinished_requests():
+            self.engine.abort_request(self.ids)
+
+
+def _timed(d: _Decoding, steps: int) -> list[float]:
+    out, last = [], time.perf_counter()
+    for _ in range(steps):
+        d.step()
+        now = time.perf_counter()
+        out.append((now - last) * 1e3)
+        last = now
+    return out
+
+
+def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
+                  make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
+                  label: str) -> str:
+    """The report for one batch (text)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"## {label} batch {batch} context {context}: {steps} steps per phase"]
+    d = _Decoding(llm, batch, context, 3 * steps + 24, vocab, make_params, make_prompt,
+                  f"prof-b{batch}")
+    try:
+        d.until_decoding()
+        _timed(d, 8)  # past any lazy warm-up/capture of this bucket
+        torch.cuda.synchronize()
+        base = _timed(d, steps)
+        lines.append(f"baseline step ms: p50 {statistics.median(base):.3f}  mean "
+                     f"{statistics.fmean(base):.3f}  min {min(base):.3f}")
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            _timed(d, steps)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+        avgs = prof.key_averages()
+        kernels = [e for e in avgs if e.device_type == DeviceType.CUDA]
+        gpu_us = sum(e.self_device_time_total for e in kernels)
+        launches = sum(e.count for e in kernels)
+        lines.append(f"torch.profiler: wall {wall / steps:.3f} ms/step, GPU kernels "
+                     f"{gpu_us / 1e3 / steps:.3f} ms/step ({launches / steps:.0f} kernels/step), "
+                     f"GPU busy {100 * gpu_us / 1e3 / max(wall, 1e-9):.0f}%")
+        lines.append("top kernels (us per step, count per step):")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]:
+            lines.append(f"  {e.self_device_time_total / steps:9.1f}  {e.count / steps:6.1f}  "
+                         f"{e.key[:110]}")
+        cpu = [e for e in avgs if e.device_type == DeviceType.CPU]
+        lines.append("top host ranges/ops by CPU total (us per step, count per step):")
+        for e in sorted(cpu, key=lambda e: -e.cpu_time_total)[:TOP_HOST_RANGES]:
+            lines.append(f"  {e.cpu_time_total / steps:9.1f}  {e.count / steps:6.1f}  "
+                         f"{e.key[:110]}")
+
+        pr = cProfile.Profile()
+        pr.enable()
+        t0 = time.perf_counter()
+        _timed(d, steps)
+        wall = (time.perf_counter() - t0) * 1e3
+        pr.disable()
+        lines.append(f"cProfile: wall {wall / steps:.3f} ms/step (profiled thread only)")
+        for order in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).strip_dirs().sort_stats(order).print_stats(
+                TOP_FUNCTIONS)
+            body = buf.getvalue()
+            start = body.find("   ncalls")
+            lines.append(f"-- by {order} (totals over {steps} steps)")
+            lines.append(body[start:].rstrip() if start >= 0 else body.rstrip())
+    finally:
+        d.close()
+    return "\n".join(lines) + "\n"
+
+
+def profile_run(llm: Any, spec: Any, make_params: Callable[[int], Any],
+                make_prompt: Callable[[list[int]], Any], out_dir: str,
+                steps: int = 30) -> str:
+    """Profile every batch of `spec` at its first context; returns the report's path."""
+    import os
+
+    path = os.path.join(out_dir, f"profile-{spec.model}-{spec.mode}.txt")
+    context = spec.contexts[0]
+    with open(path, "w") as f:
+        for batch in spec.batches:
+            try:
+                text = profile_batch(llm, batch, context, steps, spec.vocab_size, make_params,
+                                     make_prompt, f"{spec.model} {spec.mode}")
+            except Exception as exc:  # noqa: BLE001 - a report line, the run goes on
+                text = f"## batch {batch}: profiling failed: {type(exc).__name__}: {exc}\n"
+            f.write(text)
+            f.flush()
+            print(f"[bench] profile {spec.model} {spec.mode} b={batch}: written", flush=True)
+    return path
