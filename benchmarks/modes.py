@@ -152,6 +152,16 @@ MODES: dict[str, Mode] = {
             "vllm_moe_graphs decode CUDA graphs (kwargs from the plugin's hook)",
             startup_estimate_s=45.0,
         ),
+        Mode(
+            "plugin_backend_vllm_graphs",
+            Family.PLUGIN,
+            True,
+            "diagnostic: the plugin's attention backend inside vLLM's own FULL decode graphs on "
+            "the V1 runner (plugin graph runner off): separates the backend from the runner",
+            startup_estimate_s=35.0,
+            env={"VLLM_USE_V2_MODEL_RUNNER": "0"},
+            diagnostic=True,
+        ),
     )
 }
 STOCK_GRAPH_MODES = tuple(

@@ -71,6 +71,54 @@ class _Decoding:
             self.engine.abort_request(self.ids)
 
 
+def _task_stats() -> dict[int, tuple[str, int, int]]:
+    """tid -> (thread name, ns on a CPU, ns runnable but waiting for one), from /proc."""
+    import os
+
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        except (OSError, ValueError):
+            continue
+        out[int(tid)] = (name, run_ns, wait_ns)
+    return out
+
+
+def _thread_report(before: dict[int, tuple[str, int, int]],
+                   after: dict[int, tuple[str, int, int]], steps: int) -> list[str]:
+    """Per-thread CPU and run-queue wait per step over a window, busiest first."""
+    import os
+    import threading
+
+    main = threading.main_thread().native_id
+    rows = []
+    for tid, (name, run, wait) in after.items():
+        _, run0, wait0 = before.get(tid, (name, 0, 0))
+        rows.append(((run - run0) / 1e3 / steps, (wait - wait0) / 1e3 / steps, tid, name))
+    rows.sort(reverse=True)
+    lines = [f"threads: {len(after)}, CPUs allowed {len(os.sched_getaffinity(0))}; "
+             "busiest (us on CPU per step, us waiting for a CPU per step):"]
+    for run, wait, tid, name in rows[:8]:
+        lines.append(f"  {run:9.1f}  {wait:8.1f}  {name}{' (main)' if tid == main else ''}")
+    return lines
+
+
+def _python_speed_us() -> float:
+    """A fixed pure-Python loop, best of 5 (us): the host's speed for interpreter work."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(100_000):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
 def _timed(d: _Decoding, steps: int) -> list[float]:
     out, last = [], time.perf_counter()
     for _ in range(steps):
@@ -96,9 +144,14 @@ def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
         d.until_decoding()
         _timed(d, 8)  # past any lazy warm-up/capture of this bucket
         torch.cuda.synchronize()
+        idle_py = _python_speed_us()
+        before = _task_stats()
         base = _timed(d, steps)
+        after = _task_stats()
         lines.append(f"baseline step ms: p50 {statistics.median(base):.3f}  mean "
                      f"{statistics.fmean(base):.3f}  min {min(base):.3f}")
+        lines.append(f"python loop (idle engine): {idle_py:.0f} us")
+        lines += _thread_report(before, after, steps)
 
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

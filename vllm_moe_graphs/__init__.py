@@ -14,10 +14,16 @@ def benchmark_llm_kwargs(mode: str) -> dict:
 
     `plugin_graphs`: the plugin takes decode graphs over (our worker, runner and attention
     backend; vLLM's capture and torch.compile off), defaults otherwise. `plugin_eager`: our
-    attention backend with `enforce_eager`, no graphs at all.
+    attention backend with `enforce_eager`, no graphs at all. `plugin_backend_vllm_graphs`
+    (diagnostic): our attention backend inside vLLM's own FULL decode graphs, the plugin's graph
+    runner off (`enabled: false`), no torch.compile.
     """
     if mode == "plugin_graphs":
         return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
+    if mode == "plugin_backend_vllm_graphs":
+        return {"attention_config": {"backend": "CUSTOM"},
+                "additional_config": {"moe_graphs": {"enabled": False}},
+                "compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}}
     if mode == "plugin_eager":
         return {"attention_config": {"backend": "CUSTOM"}, "enforce_eager": True}
     raise NotImplementedError(f"unknown plugin benchmark mode {mode!r}")
