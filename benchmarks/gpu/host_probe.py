@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu/host_probe.py            # orchestrates the variants below
     python3 benchmarks/gpu/host_probe.py VARIANT    # one variant, in this process
+    python3 benchmarks/gpu/host_probe.py --fastest N   # the N fastest CPUs, e.g. "2,3,8,9"
 
 Each variant starts one in-process engine (Qwen3-0.6B shape, dummy weights, FULL decode graphs
 or the plugin's) and prints, at each stage (fresh, vLLM imported, engine ready, after decoding):
@@ -123,7 +124,23 @@ def one(variant: str) -> None:
     stage("after decoding", env0)
 
 
+def fastest_cpus(n: int, rounds: int = 3) -> list[int]:
+    """The `n` CPUs whose slowest of `rounds` pure-Python loop timings is lowest (this VM's
+    vCPUs differ by up to 2x, and the slow ones move over time)."""
+    worst: dict[int, float] = {}
+    for _ in range(rounds):
+        for cpu in sorted(os.sched_getaffinity(0)):
+            worst[cpu] = max(worst.get(cpu, 0.0), pinned_loop_us(cpu))
+    ranked = sorted(worst, key=worst.get)
+    print("per-CPU slowest loop us: " + json.dumps({c: worst[c] for c in sorted(worst)}),
+          file=sys.stderr, flush=True)
+    return sorted(ranked[:n])
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--fastest":
+        print(",".join(str(c) for c in fastest_cpus(int(sys.argv[2]))))
+        return 0
     if len(sys.argv) > 1:
         one(sys.argv[1])
         return 0

@@ -15,7 +15,7 @@
 #   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
 #   $OUT/nvidia-smi.txt       the GPU at the end
 # Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
-# (also profile each mode's batches: benchmarks/profile_steps.py), and
+# (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_PIN=N (see below), and
 # BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit).
 set -uo pipefail
 T0=$(date +%s)
@@ -62,8 +62,15 @@ if [ "$BUDGET" -lt 60 ]; then
   say "ERROR: only ${BUDGET}s left for the benchmark; raise RUN_GUARD_S or skip pytest (SKIP_PYTEST=1)"
   exit 4
 fi
+# BENCH_PIN=N: run every mode on the same N fastest CPUs (this VM's vCPUs differ by up to 2x in
+# speed, and a worker's main thread stays where it started: unpinned, the CPU lottery decides).
+PIN=()
+if [ "${BENCH_PIN:-0}" -gt 0 ]; then
+  cpus=$(python3 benchmarks/gpu/host_probe.py --fastest "$BENCH_PIN") && PIN=(taskset -c "$cpus")
+  say "pinned to CPUs ${cpus:-?} (BENCH_PIN=$BENCH_PIN)"
+fi
 say "benchmark: budget ${BUDGET}s, args: $*"
-timeout --kill-after=10 "$((BUDGET + 10))" python3 -m benchmarks.decode \
+timeout --kill-after=10 "$((BUDGET + 10))" "${PIN[@]}" python3 -m benchmarks.decode \
   --results-dir "$OUT" --log-dir "$LOGDIR" --time-budget-s "$BUDGET" "$@"
 bench_rc=$?
 [ $bench_rc -eq 124 ] || [ $bench_rc -eq 137 ] && say "benchmark hit the shell timeout"
