@@ -549,9 +549,11 @@ def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
     """The slowest test here (~10 s: a subprocess imports vLLM, with VLLM_PLUGINS= so no plugin
     loads): vLLM 0.26 accepts every kwarg and config key of every stock mode, and our check
     rejects a misspelt compilation_config key."""
-    args = decode.run_parser().parse_args(["--models", "qwen3-0.6b", "--dry-run"])
+    stock = [m for m, mode in MODES.items() if mode.family is Family.STOCK]  # diagnostic too
+    args = decode.run_parser().parse_args(
+        ["--models", "qwen3-0.6b", "--modes", ",".join(stock), "--dry-run"])
     specs, _, _, _ = sweep.plan(args, tmp_path)
-    specs = [s for s in specs if MODES[s.mode].family is Family.STOCK]
+    assert [s.mode for s in specs] == stock
     bad = dataclasses.replace(
         specs[0],
         mode="misspelt",
@@ -579,6 +581,8 @@ def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
     assert by_mode["stock_eager"]["enforce_eager"] is True
     assert by_mode["stock_full_decode"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert by_mode["stock_full_decode_nc"]["compilation_mode"] == "NONE"
+    v1 = by_mode["stock_full_decode_nc_v1"]
+    assert (v1["compilation_mode"], v1["cudagraph_mode"]) == ("NONE", "FULL_DECODE_ONLY")
     assert "compilation_config.cuda_graph_mode" in lines[-1]["error"]
 
 

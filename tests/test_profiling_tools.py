@@ -1,0 +1,97 @@
+"""The decode-step profiling tools' host-side parts (no GPU): benchmarks/profile_steps.py's
+decode driver and thread report, benchmarks/gpu/host_probe.py's CPU ranking, the diagnostic
+benchmark modes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import vllm_moe_graphs
+from benchmarks import profile_steps
+from benchmarks.modes import DEFAULT_MODES, MODES, STOCK_GRAPH_MODES
+from tests.test_benchmark_harness import _Engine
+from vllm_moe_graphs.config import PluginConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _host_probe():
+    spec = importlib.util.spec_from_file_location("host_probe",
+                                                  REPO / "benchmarks" / "gpu" / "host_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decoding_driver_reaches_decode_only_steps() -> None:
+    engine = _Engine(budget=700, lag=False)
+    engine.prefill_sleep_s = 0.0
+    llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
+    d = profile_steps._Decoding(llm, batch=3, context=500, max_tokens=20, vocab=100,
+                                make_params=lambda n: SimpleNamespace(max_tokens=n),
+                                make_prompt=lambda ids: {"prompt_token_ids": ids}, tag="t")
+    d.until_decoding()  # 1500 prompt tokens at 700 per step: prefill takes three steps
+    assert all(c >= 1 for c in d.counts.values())
+    assert d.step() is True  # every request got exactly one token
+    assert len(profile_steps._timed(d, 5)) == 5
+    d.close()
+    assert not engine.has_unfinished_requests()
+
+
+def test_decoding_driver_fails_when_decode_never_comes() -> None:
+    engine = SimpleNamespace(add_request=lambda *a: None, step=lambda: [],
+                             has_unfinished_requests=lambda: False)
+    llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
+    d = profile_steps._Decoding(llm, 2, 4, 8, 10, lambda n: n, lambda ids: ids, "t")
+    with pytest.raises(RuntimeError, match="never reached a decode-only step"):
+        d.until_decoding(limit=5)
+
+
+def test_thread_report_per_step_busiest_first_and_marks_main() -> None:
+    main = threading.main_thread().native_id
+    before = {main: ("python3", 1_000, 0), 7: ("worker", 0, 0), 8: ("idle", 5, 5)}
+    after = {main: ("python3", 4_001_000, 2_000_000), 7: ("worker", 8_000_000, 0),
+             8: ("idle", 5, 5), 9: ("new", 1_000_000, 0)}
+    lines = profile_steps._thread_report(before, after, steps=4)
+    assert lines[0].startswith(f"threads: 4, CPUs allowed {len(os.sched_getaffinity(0))}")
+    rows = [line.split() for line in lines[1:]]
+    assert [r[2] for r in rows] == ["worker", "python3", "new", "idle"]
+    assert rows[0][:2] == ["2000.0", "0.0"]  # 8 ms on a CPU over 4 steps
+    assert rows[1][:2] == ["1000.0", "500.0"] and lines[2].endswith("(main)")
+
+
+def test_task_stats_sees_this_thread() -> None:
+    stats = profile_steps._task_stats()
+    assert threading.main_thread().native_id in stats
+    name, run_ns, wait_ns = stats[threading.main_thread().native_id]
+    assert name and run_ns > 0 and wait_ns >= 0
+
+
+def test_fastest_cpus_is_a_subset_of_the_allowed_ones() -> None:
+    probe = _host_probe()
+    allowed = os.sched_getaffinity(0)
+    best = probe.fastest_cpus(1, rounds=1)
+    assert len(best) == 1 and set(best) <= allowed
+    assert probe.fastest_cpus(len(allowed) + 5, rounds=1) == sorted(allowed)
+    assert os.sched_getaffinity(0) == allowed  # pinning is undone
+    assert probe.hooks()["profile"] == "None"
+
+
+def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
+    diagnostic = {m for m, mode in MODES.items() if mode.diagnostic}
+    assert diagnostic == {"stock_full_decode_nc_v1", "plugin_backend_vllm_graphs"}
+    assert not diagnostic & set(DEFAULT_MODES) and not diagnostic & set(STOCK_GRAPH_MODES)
+    for name in diagnostic:
+        env = MODES[name].worker_env()
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    kwargs = vllm_moe_graphs.benchmark_llm_kwargs("plugin_backend_vllm_graphs")
+    assert kwargs["attention_config"] == {"backend": "CUSTOM"}
+    assert PluginConfig.from_additional_config(kwargs["additional_config"]).enabled is False
+    assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
