@@ -21,13 +21,13 @@ args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(-m gpu)
 left=$((GUARD_S - ($(date +%s) - T0) - 15))
 echo "[tests.sh] pytest ${args[*]} (guard ${left}s)"
-timeout --kill-after=5 "$left" python3 -m pytest -q -rA --basetemp=/tmp/gpu-tests "${args[@]}" \
+timeout --kill-after=5 "$left" python3 -m pytest -v -rA --durations=0 --basetemp=/tmp/gpu-tests "${args[@]}" \
   >"$OUT/pytest.txt" 2>&1
 rc=$?
-for f in /tmp/gpu-tests/*/*.log; do
+for f in /tmp/gpu-tests/*/*.log /tmp/gpu-tests/*/*/*.log; do
   [ -f "$f" ] || continue
   echo "== $f"
-  grep -E "moe_graphs|Error|Traceback" "$f" | tail -40
+  grep -E "moe_graphs|ENGINE_|Error|Traceback" "$f" | tail -40
 done >"$OUT/engine-logs.txt" 2>&1
 tail -25 "$OUT/pytest.txt"
 echo "[tests.sh] pytest exit $rc after $(($(date +%s) - T0))s"

@@ -120,6 +120,8 @@ for phase in spec["phases"]:
             top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
     kill(False)
     seconds = round(time.perf_counter() - t1, 2)
+    print("ENGINE_PHASE", json.dumps({k: v for k, v in phase.items() if k != "tokens"}),
+          f"{seconds} s", flush=True)
     result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
                              "mean_top1_logprob": sum(top1) / len(top1),
                              "metrics": collect_text()})
@@ -170,15 +172,19 @@ def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw
                MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _ENGINE, json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    log = tmp_path / f"{name}.log"
+    # NOTE: streamed to the file (not captured): a run cut short by a time guard leaves its log,
+    # with one ENGINE_PHASE line per finished phase, for benchmarks/gpu/tests.sh to collect.
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-c", _ENGINE, json.dumps(spec)], env=env,
+                              stdout=f, stderr=subprocess.STDOUT, text=True,
+                              timeout=ENGINE_TIMEOUT_S)
+    text = log.read_text()
     assert proc.returncode == 0 and out.exists(), (
-        f"{name} engine failed (exit {proc.returncode}):\n{proc.stderr[-8000:]}")
+        f"{name} engine failed (exit {proc.returncode}):\n{text[-8000:]}")
     result = json.loads(out.read_text())
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    result["log_lines"] = [ln for ln in (proc.stdout + proc.stderr).splitlines()
-                           if "moe_graphs" in ln][:60]
+    result["log_lines"] = [ln for ln in text.splitlines() if "moe_graphs" in ln][:60]
     return result
 
 
