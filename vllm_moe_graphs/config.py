@@ -38,6 +38,9 @@ class PluginConfig:
     capture_failure_policy: CaptureFailurePolicy = CaptureFailurePolicy.QUARANTINE
     # Capture every bucket at start-up instead of lazily.
     precapture: bool = False
+    # Experimental: linear layers with <= 16 input rows (decode) run the plugin's Triton GEMM
+    # (integration/linear.py) instead of cuBLAS. Off until measured faster on a GPU.
+    small_m_gemm: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -126,5 +129,6 @@ _PARSERS = {
     "graph_memory_budget_mib": lambda k, v: _int(k, v, 0),
     "capture_failure_policy": _policy,
     "precapture": _bool,
+    "small_m_gemm": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

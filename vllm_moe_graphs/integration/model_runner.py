@@ -23,7 +23,8 @@ method                                  | parameters after self                 
 `capture_model`                         |                                                      | precapture
 
 storage: read the plugin config, create the one `PagedKVStorage`; register: classify the model
-and its attention layers by exact type; bind: phase profiling or serving; graphs: create the
+and its attention layers by exact type (and, with `small_m_gemm`, give its linear layers the
+small-M GEMM, `integration/linear.py`); bind: phase profiling or serving; graphs: create the
 `DecodeGraphRunner` once the serving bind holds. Each hook runs after super(), except the
 unbind (super frees the memory it must release), close (also when super raises) and the
 per-step ones below.
@@ -190,6 +191,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self._mg_kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
         self._mg_precapture_key: GraphKey | None = None
         self._mg_real_model: Any = None  # the model while capture_model swaps in the shim
+        self._mg_linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -199,6 +201,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
         proof = self._mg_layers.proof()
         logger.info("moe_graphs: model layers %s%s", proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
+        if self.moe_config.enabled and self.moe_config.small_m_gemm and proof.holds:
+            from vllm_moe_graphs.integration.linear import install_small_m_gemm
+
+            self._mg_linear = install_small_m_gemm(self.get_model())
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig,
                             is_profiling: bool = False) -> None:

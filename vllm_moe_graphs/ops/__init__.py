@@ -23,6 +23,12 @@ from vllm_moe_graphs.ops.paged_decode import (
     paged_decode_attention,
 )
 from vllm_moe_graphs.ops.prefill import PrefillKernelConfig, paged_prefill_attention
+from vllm_moe_graphs.ops.small_m_gemm import (
+    SmallMGemmConfig,
+    choose_small_m_config,
+    small_m_linear,
+    small_m_workspace_numel,
+)
 
 __all__ = [
     "SUPPORTED_BLOCK_SIZES",
@@ -30,11 +36,15 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "DecodeKernelConfig",
     "PrefillKernelConfig",
+    "SmallMGemmConfig",
     "allocate_decode_workspace",
     "choose_num_splits",
+    "choose_small_m_config",
     "decode_workspace_shape",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "small_m_linear",
+    "small_m_workspace_numel",
     "split_kv_cache",
     "write_kv",
 ]

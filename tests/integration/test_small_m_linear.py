@@ -1,0 +1,115 @@
+"""The opt-in small-M GEMM wiring (`integration/linear.py`) on a real vLLM Qwen3 model (CPU
+build of vLLM, kernels under the Triton interpreter, float32): which layers get it, that decode
+sized inputs take the kernel and prefill sized ones vLLM's GEMM, with the same results."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.serve_util import cpu_env, free_port
+from vllm_moe_graphs.config import PluginConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+_BUILD = r"""
+import json, os, sys, tempfile
+import torch
+from transformers import Qwen3Config
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm_moe_graphs.integration.linear import SmallMLinearMethod, install_small_m_gemm
+
+path = tempfile.mkdtemp()
+Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=64,
+            intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=256).save_pretrained(path)
+vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32"))
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+    initialize_model_parallel(1, 1)
+    model = Qwen3ForCausalLM(vllm_config=vc, prefix="")
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+# What vLLM's CPU loader does after loading, keeping the weight (its default drops it into a
+# packed kernel, which the small-M GEMM rightly refuses): the real CPU GEMM for the fallback.
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+for m in model.modules():
+    if isinstance(m, LinearBase):
+        dispatch_cpu_unquantized_gemm(m, remove_weight=False)
+methods = install_small_m_gemm(model)
+out = {"names": sorted(methods), "workspace": None, "layers": {}}
+shared = {id(m.workspace) for m in methods.values()}
+out["one_workspace"] = len(shared) == 1
+modules = dict(model.named_modules())
+for name, method in sorted(methods.items()):
+    layer = modules[name]
+    k = layer.weight.shape[1]
+    row = {"is_unquantized": isinstance(layer.quant_method, UnquantizedLinearMethod),
+           "splits": method.small_m_config.num_splits}
+    for m in (1, 3, 16, 20):
+        x = torch.randn(m, k, generator=gen)
+        before = method.small_m_calls
+        with torch.no_grad():
+            y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        ref = torch.nn.functional.linear(x, layer.weight)
+        row[f"m{m}"] = {"kernel": method.small_m_calls - before,
+                        "max_err": float((y - ref).abs().max())}
+    # a row's result does not depend on the rows that came with it
+    x = torch.randn(16, k, generator=gen)
+    with torch.no_grad():
+        a = layer(x[:1])
+        b = layer(x)
+    a = a[0] if isinstance(a, tuple) else a
+    b = b[0] if isinstance(b, tuple) else b
+    row["row_independent"] = bool(torch.equal(a[0], b[0]))
+    out["layers"][name] = row
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def built(cpu_vllm) -> dict:
+    env = cpu_env(cpu_vllm, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _BUILD, str(free_port())], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_every_dense_projection_and_nothing_else(built) -> None:
+    expected = sorted(f"model.layers.{i}.{p}" for i in range(2) for p in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+    assert built["names"] == expected  # not the LM head, not the embeddings
+    assert built["one_workspace"]
+
+
+def test_decode_rows_take_the_kernel_prefill_rows_vllms_gemm(built) -> None:
+    assert len(built["layers"]) == 8, built["names"]
+    assert any(row["splits"] > 1 for row in built["layers"].values())  # split-K exercised too
+    for name, row in built["layers"].items():
+        assert row["is_unquantized"], name  # vLLM's isinstance checks still hold
+        for m in (1, 3, 16):
+            assert row[f"m{m}"]["kernel"] == 1, (name, m, row)
+            assert row[f"m{m}"]["max_err"] < 1e-4, (name, m, row)
+        assert row["m20"]["kernel"] == 0 and row["m20"]["max_err"] < 1e-4, (name, row)
+        assert row["row_independent"], (name, row)
+
+
+def test_small_m_gemm_is_off_by_default_and_parsed() -> None:
+    assert PluginConfig().small_m_gemm is False
+    assert PluginConfig.from_dict({"small_m_gemm": True}).small_m_gemm is True
+    with pytest.raises(ValueError, match="small_m_gemm='yes' must be true or false"):
+        PluginConfig.from_dict({"small_m_gemm": "yes"})
