@@ -160,6 +160,16 @@ def _time_graph(torch, fns, graph_launches: int, warmup: int, replays: int) -> f
     return us
 
 
+def device_header(torch, copy_gib: float) -> tuple[int, int, float]:
+    """(SMs, L2 bytes, copy bandwidth in bytes/s) of GPU 0, printed as the output's first line."""
+    props = torch.cuda.get_device_properties(0)
+    num_sms, l2_bytes = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
+    bandwidth = measure_hbm_bandwidth(torch, copy_gib)
+    print(f"# {props.name}: {num_sms} SMs, L2 {l2_bytes >> 20} MiB, "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    return num_sms, l2_bytes, bandwidth
+
+
 def measure_hbm_bandwidth(torch, gib: float) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     n = int(gib * 2**30)
@@ -287,11 +297,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_moe_graphs.ops import paged_decode as pd
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    props = torch.cuda.get_device_properties(0)
-    num_sms, l2_bytes = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
-    bandwidth = measure_hbm_bandwidth(torch, args.copy_gib)
-    print(f"# {props.name}: {num_sms} SMs, L2 {l2_bytes >> 20} MiB, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    num_sms, l2_bytes, bandwidth = device_header(torch, args.copy_gib)
     default_cfg = DecodeKernelConfig(
         block_n=args.block_n or pd.DEFAULT_BLOCK_N,
         num_warps=args.num_warps or pd.DEFAULT_NUM_WARPS,
@@ -379,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
 
     result = dict(
-        device=props.name, num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
+        device=torch.cuda.get_device_name(0), num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         default_config=asdict(default_cfg), rows=rows, ratios=ratios, pct_hbm=pct_hbm,
         mismatches=failures,

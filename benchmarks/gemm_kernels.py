@@ -49,19 +49,9 @@ MAX_WEIGHT_COPIES = 64
 DEVICE = "cuda"
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _splits(text: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    for x in items:
-        if x != "auto" and not x.isdigit():
-            raise argparse.ArgumentTypeError(f"split values are 'auto' or integers, got {x!r}")
-    return items
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.attn_kernels import _ints, _splits  # one definition of the list parsers
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -184,16 +174,12 @@ class Case:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.attn_kernels import _time_graph, measure_hbm_bandwidth
+    from benchmarks.attn_kernels import _time_graph, device_header
     from vllm_moe_graphs.ops import SmallMGemmConfig, small_m_linear, small_m_workspace_numel
     from vllm_moe_graphs.ops import small_m_gemm as smg
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    props = torch.cuda.get_device_properties(0)
-    num_sms, l2_bytes = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
-    bandwidth = measure_hbm_bandwidth(torch, args.copy_gib)
-    print(f"# {props.name}: {num_sms} SMs, L2 {l2_bytes >> 20} MiB, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    num_sms, l2_bytes, bandwidth = device_header(torch, args.copy_gib)
     stream_bytes = max(3 * l2_bytes, args.min_stream_mib * 2**20)
     rows, sweeps, shape_best, ratios, pct_hbm, failures = [], [], {}, {}, {}, []
     linear = torch.nn.functional.linear
@@ -290,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
 
     result = dict(
-        device=props.name, num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
+        device=torch.cuda.get_device_name(0), num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         rows=rows, ratios=ratios, pct_hbm=pct_hbm, mismatches=failures,
     )
@@ -304,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: this checkout's packages, not installed ones
+        sys.path.insert(0, root)
     args = parse_args(argv)
     try:
         import torch
@@ -314,11 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         print("gemm_kernels.py is a GPU benchmark: no CUDA device is visible "
               "(torch.cuda.is_available() is False). Run it on the H200.", file=sys.stderr)
         return 2
-    try:
-        import benchmarks.attn_kernels  # noqa: F401
-        import vllm_moe_graphs.ops  # noqa: F401
-    except ImportError:  # run as a script from a checkout without `pip install -e .`
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     return run(args)
 
 
