@@ -41,6 +41,9 @@ class PluginConfig:
     # Experimental: linear layers with <= 16 input rows (decode) run the plugin's Triton GEMM
     # (integration/linear.py) instead of cuBLAS. Off until measured faster on a GPU.
     small_m_gemm: bool = False
+    # Experimental: Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
+    # (integration/qk_norm_rope.py). Off until measured on a GPU.
+    fuse_qk_norm_rope: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -130,5 +133,6 @@ _PARSERS = {
     "capture_failure_policy": _policy,
     "precapture": _bool,
     "small_m_gemm": _bool,
+    "fuse_qk_norm_rope": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

@@ -23,8 +23,9 @@ method                                  | parameters after self                 
 `capture_model`                         |                                                      | precapture
 
 storage: read the plugin config, create the one `PagedKVStorage`; register: classify the model
-and its attention layers by exact type (and, with `small_m_gemm`, give its linear layers the
-small-M GEMM, `integration/linear.py`); bind: phase profiling or serving; graphs: create the
+and its attention layers by exact type (and, when configured, give its linear layers the small-M
+GEMM, `integration/linear.py`, and its attention the fused q/k norm + RoPE,
+`integration/qk_norm_rope.py`); bind: phase profiling or serving; graphs: create the
 `DecodeGraphRunner` once the serving bind holds. Each hook runs after super(), except the
 unbind (super frees the memory it must release), close (also when super raises) and the
 per-step ones below.
@@ -192,6 +193,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self._mg_precapture_key: GraphKey | None = None
         self._mg_real_model: Any = None  # the model while capture_model swaps in the shim
         self._mg_linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
+        self._mg_fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -205,6 +207,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
             from vllm_moe_graphs.integration.linear import install_small_m_gemm
 
             self._mg_linear = install_small_m_gemm(self.get_model())
+        if self.moe_config.enabled and self.moe_config.fuse_qk_norm_rope and proof.holds:
+            from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
+
+            self._mg_fused_attn = install_fused_qk_norm_rope(self.get_model())
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig,
                             is_profiling: bool = False) -> None:
