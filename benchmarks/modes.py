@@ -153,6 +153,15 @@ MODES: dict[str, Mode] = {
             startup_estimate_s=45.0,
         ),
         Mode(
+            "plugin_graphs_experimental",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with the experimental small_m_gemm and fuse_qk_norm_rope on (on "
+            "request only until measured)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_backend_vllm_graphs",
             Family.PLUGIN,
             True,

@@ -24,7 +24,7 @@ point that has measurements, with "best stock graph mode" = the stock graph mode
 tpot_p50 there:
   1. every other stock mode over the best stock graph mode;
   2. every eager mode (stock_eager, plugin_eager) over every graph mode;
-  3. every stock mode over plugin_graphs, when plugin_graphs was measured."""
+  3. every stock mode over plugin_graphs (and over plugin_graphs_experimental), when measured."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -142,6 +142,7 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
                 put(eager, graph, at, tpot)
         for mode in stock:
             put(mode, "plugin_graphs", at, tpot)
+            put(mode, "plugin_graphs_experimental", at, tpot)
     return ratios
 
 

@@ -16,10 +16,15 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     backend; vLLM's capture and torch.compile off), defaults otherwise. `plugin_eager`: our
     attention backend with `enforce_eager`, no graphs at all. `plugin_backend_vllm_graphs`
     (diagnostic): our attention backend inside vLLM's own FULL decode graphs, the plugin's graph
-    runner off (`enabled: false`), no torch.compile.
+    runner off (`enabled: false`), no torch.compile. `plugin_graphs_experimental`:
+    `plugin_graphs` with the experimental small-M GEMM and fused q/k norm + RoPE on.
     """
     if mode == "plugin_graphs":
         return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
+    if mode == "plugin_graphs_experimental":
+        return {"attention_config": {"backend": "CUSTOM"},
+                "additional_config": {"moe_graphs": {"small_m_gemm": True,
+                                                     "fuse_qk_norm_rope": True}}}
     if mode == "plugin_backend_vllm_graphs":
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"enabled": False}},
