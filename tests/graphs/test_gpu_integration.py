@@ -291,6 +291,22 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
     assert_parity(summary)
 
 
+def test_experimental_kernels_keep_parity(tmp_path):
+    """small_m_gemm + fuse_qk_norm_rope on (both off by default): every linear layer and every
+    attention module really switched, and graphs vs kill switch still token-identical."""
+    model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
+    cfg = {"moe_graphs": {"small_m_gemm": True, "fuse_qk_norm_rope": True}}
+    result = run_engine(tmp_path, "experimental",
+                        _llm_kwargs(model, load_format="dummy", additional_config=cfg),
+                        _prompts(vocab), parity_phases((1, 8, 32)))
+    summary = check_parity(result)
+    report("parity-experimental-kernels", summary)
+    logs = "\n".join(summary["log_lines"])
+    assert f"small-M GEMM on {4 * NUM_LAYERS} linear layers" in logs, logs
+    assert f"fused q/k norm + RoPE in {NUM_LAYERS} of {NUM_LAYERS} attention layers" in logs, logs
+    assert_parity(summary)
+
+
 def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
     # batch 8's capture raises (quarantined); batch 1's capture then fills the 1 MiB budget, so
