@@ -43,6 +43,18 @@ def cpu_env(cpu_vllm: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def run_result_script(code: str, cpu_vllm: str, timeout: float = 600, **env: str) -> dict:
+    """Run `code` (given a free port as argv[1]) in a subprocess on the CPU build of vLLM from
+    the repository root; return the JSON of its last `RESULT {...}` line."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, str(free_port())], cwd=repo,
+                          env=cpu_env(cpu_vllm, **env), capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 @contextlib.contextmanager
 def vllm_serve(model: str, cpu_vllm: str | None, log_path: str, args: tuple[str, ...] = (),
                env_extra: dict[str, str] | None = None,

@@ -6,19 +6,13 @@ fused forward against vLLM's own unfused q_norm / k_norm / rotary_emb on real vL
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from tests.gpu_util import require_cuda_and_vllm
-from tests.serve_util import cpu_env, free_port
+from tests.serve_util import run_result_script
 from vllm_moe_graphs.config import PluginConfig
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 _BUILD = r"""
 import json, sys, tempfile
@@ -69,11 +63,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def built(cpu_vllm) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(free_port())], cwd=REPO,
-                          env=cpu_env(cpu_vllm), capture_output=True, text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_result_script(_BUILD, cpu_vllm)
 
 
 def test_refusals_name_what_the_kernel_lacks(built) -> None:

@@ -4,17 +4,10 @@ sized inputs take the kernel and prefill sized ones vLLM's GEMM, with the same r
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-from tests.serve_util import cpu_env, free_port
+from tests.serve_util import run_result_script
 from vllm_moe_graphs.config import PluginConfig
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 _BUILD = r"""
 import json, os, sys, tempfile
@@ -81,12 +74,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def built(cpu_vllm) -> dict:
-    env = cpu_env(cpu_vllm, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(free_port())], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_result_script(_BUILD, cpu_vllm, TRITON_INTERPRET="1")
 
 
 def test_every_dense_projection_and_nothing_else(built) -> None:

@@ -16,7 +16,7 @@ import sys
 import pytest
 from torch import nn
 
-from tests.serve_util import cpu_env, free_port
+from tests.serve_util import run_result_script
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.integration.model_registry import (
     AttentionLayerRegistry,
@@ -237,11 +237,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def built(cpu_vllm) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(free_port())], cwd=REPO,
-                          env=cpu_env(cpu_vllm), capture_output=True, text=True, timeout=300)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_result_script(_BUILD, cpu_vllm, timeout=300)
 
 
 def _names(n: int) -> dict[str, int]:
