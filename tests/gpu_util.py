@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 
 import pytest
@@ -14,6 +15,30 @@ def require_cuda_and_vllm() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm")
+
+
+def engine_memory_kwargs(gpu_memory_utilization: float) -> dict:
+    """vLLM memory arguments for a test engine. By default a share of the GPU, profiled as an
+    operator's engine would be. With MOE_GRAPHS_TEST_KV_CACHE_GIB set (benchmarks/gpu/tests.sh
+    sets it when it runs several pytest lanes at once on one GPU), a fixed KV cache instead:
+    vLLM's memory profiling asserts that no other process frees GPU memory meanwhile, which
+    engines of a parallel lane do; with `kv_cache_memory_bytes` vLLM still runs its profiling
+    forward pass but skips that accounting."""
+    gib = os.environ.get("MOE_GRAPHS_TEST_KV_CACHE_GIB")
+    if not gib:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": int(float(gib) * 2**30)}
+
+
+def serve_memory_args(gpu_memory_utilization: float) -> tuple[str, ...]:
+    """engine_memory_kwargs() as `vllm serve` flags."""
+    return tuple(x for k, v in engine_memory_kwargs(gpu_memory_utilization).items()
+                 for x in ("--" + k.replace("_", "-"), str(v)))
+
+
+def engine_timeout_s(default: float) -> float:
+    """Seconds one test engine may run: MOE_GRAPHS_TEST_ENGINE_TIMEOUT_S overrides `default`."""
+    return float(os.environ.get("MOE_GRAPHS_TEST_ENGINE_TIMEOUT_S") or default)
 
 
 def shape_dir(tmp_path, shape: str, num_layers: int) -> tuple[str, int]:

@@ -2,11 +2,19 @@
 # benchmarks/gpu/tests.sh -- the GPU test tier on the lent H200, inside one device call.
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
+#   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu"]).
 # Sets up the environment (benchmarks/gpu/env.sh: bundle, project, the plugin's entry point),
-# then runs pytest under RUN_GUARD_S seconds in all (default 560). Writes under $OUT:
-#   pytest.txt        the whole pytest output
+# then runs pytest under RUN_GUARD_S seconds in all (default 560).
+#
+# Lanes: a lone `+` splits the arguments into lanes that run side by side on the one GPU (the
+# end-to-end tests are host-bound, one core per engine: lanes fit several into one call). Each
+# lane's engines then get a fixed KV cache (MOE_GRAPHS_TEST_KV_CACHE_GIB, default 4) instead of
+# a profiled share, see tests/gpu_util.engine_memory_kwargs. Never use lanes for timings.
+#
+# Writes under $OUT:
+#   pytest.txt (one lane) or pytest-<lane>.txt    the whole pytest output
 #   *.json            per-test summaries (MOE_GRAPHS_TEST_OUT=$OUT)
 #   engine-logs.txt   the moe_graphs / error lines of every engine log the tests kept
 set -uo pipefail
@@ -17,18 +25,34 @@ mkdir -p "$OUT"
 # shellcheck source=benchmarks/gpu/env.sh
 . benchmarks/gpu/env.sh || exit 3
 export MOE_GRAPHS_TEST_OUT=$OUT
-args=("$@")
-[ ${#args[@]} -eq 0 ] && args=(-m gpu)
+lanes=() cur=""
+for a in "$@"; do
+  if [ "$a" = "+" ]; then lanes+=("$cur"); cur=""; else cur+="$(printf '%q ' "$a")"; fi
+done
+lanes+=("$cur")
+[ ${#lanes[@]} -eq 1 ] && [ -z "${lanes[0]}" ] && lanes=("-m gpu")
+if [ ${#lanes[@]} -gt 1 ]; then export MOE_GRAPHS_TEST_KV_CACHE_GIB=${MOE_GRAPHS_TEST_KV_CACHE_GIB:-4}; fi
 left=$((GUARD_S - ($(date +%s) - T0) - 15))
-echo "[tests.sh] pytest ${args[*]} (guard ${left}s)"
-timeout --kill-after=5 "$left" python3 -m pytest -v -rA --durations=0 --basetemp=/tmp/gpu-tests "${args[@]}" \
-  >"$OUT/pytest.txt" 2>&1
-rc=$?
-for f in /tmp/gpu-tests/*/*.log /tmp/gpu-tests/*/*/*.log; do
+pids=()
+for i in "${!lanes[@]}"; do
+  name=pytest; base=/tmp/gpu-tests
+  if [ ${#lanes[@]} -gt 1 ]; then name=pytest-$i; base=/tmp/gpu-tests-$i; fi
+  echo "[tests.sh] lane $i: pytest ${lanes[$i]} (guard ${left}s) -> $name.txt"
+  eval "timeout --kill-after=5 $left python3 -m pytest -v -rA --durations=0 --basetemp=$base \
+    ${lanes[$i]}" >"$OUT/$name.txt" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"; r=$?
+  echo "[tests.sh] lane $i: pytest exit $r after $(($(date +%s) - T0))s"
+  [ $r -ne 0 ] && rc=$r
+done
+for f in /tmp/gpu-tests*/*/*.log /tmp/gpu-tests*/*/*/*.log; do
   [ -f "$f" ] || continue
   echo "== $f"
   grep -E "moe_graphs|ENGINE_|Error|Traceback" "$f" | tail -40
 done >"$OUT/engine-logs.txt" 2>&1
-tail -25 "$OUT/pytest.txt"
-echo "[tests.sh] pytest exit $rc after $(($(date +%s) - T0))s"
+for f in "$OUT"/pytest*.txt; do echo "== $f"; tail -15 "$f"; done
+echo "[tests.sh] exit $rc after $(($(date +%s) - T0))s"
 exit $rc

@@ -49,7 +49,7 @@ import time
 
 import pytest
 
-from tests.gpu_util import require_cuda_and_vllm, shape_dir
+from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, require_cuda_and_vllm, shape_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +62,7 @@ TOP_LOGPROBS = 2
 TIE_NATS = 0.1  # both backends rank the other's token 2nd, within this many nats
 MAX_LOGPROB_DIFF = 0.5  # nats, chosen token, along the common prefix
 INFORMATIVE_TOP1_LOGPROB = -10.5  # re-drawn weights give about -8; flat logits -11.93
-ENGINE_TIMEOUT_S = 200
+ENGINE_TIMEOUT_S = engine_timeout_s(200)
 
 CASES = {
     "qwen3-0.6b-eager": ("qwen3-0.6b", {"enforce_eager": True}),
@@ -252,7 +252,7 @@ def _run_engine(tmp_path, backend: str, model_dir: str, prompts, mode_kwargs: di
         "model": model_dir, "load_format": "dummy", "skip_tokenizer_init": True,
         "dtype": "bfloat16", "seed": 0, "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": NUM_PROMPTS, "max_num_batched_tokens": 512,
-        "enable_prefix_caching": False, "gpu_memory_utilization": 0.3,
+        "enable_prefix_caching": False, **engine_memory_kwargs(0.3),
         "attention_config": {"backend": backend}, **mode_kwargs,
     }
     spec = {"backend": backend, "llm_kwargs": llm_kwargs, "prompts": prompts, "seed": 0,

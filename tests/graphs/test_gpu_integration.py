@@ -29,7 +29,8 @@ import time
 
 import pytest
 
-from tests.gpu_util import require_cuda_and_vllm, shape_dir
+from tests.gpu_util import (engine_memory_kwargs, engine_timeout_s, require_cuda_and_vllm,
+                            serve_memory_args, shape_dir)
 from tests.serve_util import get, post_json, tail, vllm_serve
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NUM_LAYERS = 4
 NUM_PROMPTS, MAX_TOKENS = 64, 256
 PARITY_BATCHES = (1, 8, 32, 64)
-ENGINE_TIMEOUT_S = 420
+ENGINE_TIMEOUT_S = engine_timeout_s(420)
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +158,7 @@ def _prompts(vocab_size: int, n: int = NUM_PROMPTS) -> list[list[int]]:
 def _llm_kwargs(model: str, **extra) -> dict:
     return {"model": model, "skip_tokenizer_init": True, "dtype": "bfloat16", "seed": 0,
             "max_model_len": 512, "max_num_seqs": 64, "enable_prefix_caching": False,
-            "gpu_memory_utilization": 0.5, **extra}
+            **engine_memory_kwargs(0.5), **extra}
 
 
 def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw=True,
@@ -359,7 +360,7 @@ def test_kill_file_under_load_through_vllm_serve(tmp_path):
     path = build_checkpoint(str(tmp_path / "tiny-serve"), head_dim=64)
     kill_file = tmp_path / "serve.kill"
     log = str(tmp_path / "serve.log")
-    with vllm_serve(path, None, log, args=("--max-num-seqs", "64"),
+    with vllm_serve(path, None, log, args=("--max-num-seqs", "64", *serve_memory_args(0.5)),
                     env_extra={"MOE_GRAPHS_KILL_FILE": str(kill_file)}) as base:
         def one(i: int) -> int:
             body = {"model": path, "prompt": f"request {i} about graphs", "max_tokens": 48,
