@@ -156,8 +156,17 @@ MODES: dict[str, Mode] = {
             "plugin_graphs_experimental",
             Family.PLUGIN,
             True,
-            "plugin_graphs with the experimental small_m_gemm and fuse_qk_norm_rope on (on "
-            "request only until measured)",
+            "plugin_graphs with small_m_gemm on every eligible linear layer (default: auto, "
+            "o_proj/down_proj only) and fuse_qk_norm_rope on (on request)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
+            "plugin_graphs_cublas",
+            Family.PLUGIN,
+            True,
+            "diagnostic: plugin_graphs with vLLM's kernels around attention (small_m_gemm and "
+            "fuse_qk_norm_rope off): separates the graph runner from those kernels",
             startup_estimate_s=45.0,
             diagnostic=True,
         ),

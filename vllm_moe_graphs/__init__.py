@@ -17,7 +17,9 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     attention backend with `enforce_eager`, no graphs at all. `plugin_backend_vllm_graphs`
     (diagnostic): our attention backend inside vLLM's own FULL decode graphs, the plugin's graph
     runner off (`enabled: false`), no torch.compile. `plugin_graphs_experimental`:
-    `plugin_graphs` with the experimental small-M GEMM and fused q/k norm + RoPE on.
+    `plugin_graphs` with the small-M GEMM on every eligible linear layer (the default, "auto",
+    takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
+    the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
     """
     if mode == "plugin_graphs":
         return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
@@ -25,6 +27,10 @@ def benchmark_llm_kwargs(mode: str) -> dict:
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"small_m_gemm": True,
                                                      "fuse_qk_norm_rope": True}}}
+    if mode == "plugin_graphs_cublas":
+        return {"attention_config": {"backend": "CUSTOM"},
+                "additional_config": {"moe_graphs": {"small_m_gemm": False,
+                                                     "fuse_qk_norm_rope": False}}}
     if mode == "plugin_backend_vllm_graphs":
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"enabled": False}},

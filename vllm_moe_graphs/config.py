@@ -38,12 +38,14 @@ class PluginConfig:
     capture_failure_policy: CaptureFailurePolicy = CaptureFailurePolicy.QUARANTINE
     # Capture every bucket at start-up instead of lazily.
     precapture: bool = False
-    # Experimental: linear layers with <= 16 input rows (decode) run the plugin's Triton GEMM
-    # (integration/linear.py) instead of cuBLAS. Off until measured faster on a GPU.
-    small_m_gemm: bool = False
-    # Experimental: Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
-    # (integration/qk_norm_rope.py). Off until measured on a GPU.
-    fuse_qk_norm_rope: bool = False
+    # Linear layers with <= 16 input rows (decode) through the plugin's Triton GEMM
+    # (integration/linear.py) instead of cuBLAS: "auto" (the layers where it measured faster on
+    # the H200: more input than output features, >= 1024 outputs, i.e. o_proj and down_proj),
+    # true (every eligible linear layer), false (cuBLAS everywhere).
+    small_m_gemm: bool | str = "auto"
+    # Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
+    # (integration/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
+    fuse_qk_norm_rope: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -83,6 +85,12 @@ class PluginConfig:
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{CONFIG_KEY}.{key}={value!r} must be true or false")
+    return value
+
+
+def _bool_or_auto(key: str, value: Any) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f'{CONFIG_KEY}.{key}={value!r} must be true, false or "auto"')
     return value
 
 
@@ -132,7 +140,7 @@ _PARSERS = {
     "graph_memory_budget_mib": lambda k, v: _int(k, v, 0),
     "capture_failure_policy": _policy,
     "precapture": _bool,
-    "small_m_gemm": _bool,
+    "small_m_gemm": _bool_or_auto,
     "fuse_qk_norm_rope": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

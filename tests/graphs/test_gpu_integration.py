@@ -271,6 +271,19 @@ def test_graphs_match_kill_switch_eager(shape, tmp_path):
     }
     report(f"parity-{shape}", summary)
     assert_parity(summary)
+    logs = summary["log_lines"]
+    # profiling -> real bind: vLLM's profiling forward ran with no storage bound (the recorded
+    # capability says so, and nothing can be captured without a bound storage); the first bind
+    # is the serving one, generation 1, before any graph
+    first_bind = next(i for i, ln in enumerate(logs) if "KV storage bound (serving phase" in ln)
+    assert "generation 1)" in logs[first_bind], logs
+    assert any("reasons=storage_unbound" in ln for ln in logs[:first_bind]), logs
+    assert not any("captured" in ln for ln in logs[:first_bind]), logs
+    # the default kernels around attention: small-M GEMM on o_proj/down_proj ("auto": dense
+    # Qwen3 both, Qwen3-MoE o_proj only, its experts are fused MoE), fused q/k norm + RoPE
+    picked = NUM_LAYERS * (2 if shape == "qwen3-0.6b" else 1)
+    assert any(f"small-M GEMM on {picked} linear layers (auto" in ln for ln in logs), logs
+    assert any(f"fused q/k norm + RoPE in {NUM_LAYERS} of {NUM_LAYERS}" in ln for ln in logs), logs
     swap = summary["kv_swap"]
     assert swap["swapped_ptrs"] and swap["swapped_ptrs"][0] != swap["swapped_ptrs"][1], swap
     assert swap["identical_to_before"] == NUM_PROMPTS and swap["invalidations"] > 0, swap
@@ -293,8 +306,9 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
 
 
 def test_experimental_kernels_keep_parity(tmp_path):
-    """small_m_gemm + fuse_qk_norm_rope on (both off by default): every linear layer and every
-    attention module really switched, and graphs vs kill switch still token-identical."""
+    """small_m_gemm on every eligible layer (default "auto": o_proj/down_proj only) + fused q/k
+    norm + RoPE: every linear layer and every attention module really switched, and graphs vs
+    kill switch still token-identical."""
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
     cfg = {"moe_graphs": {"small_m_gemm": True, "fuse_qk_norm_rope": True}}
     result = run_engine(tmp_path, "experimental",

@@ -80,8 +80,8 @@ def test_without_the_op_every_module_stays_as_vllm_built_it(built) -> None:
     assert built["forward_untouched"] and built["no_qwen3"] == {}
 
 
-def test_fuse_qk_norm_rope_is_off_by_default_and_parsed() -> None:
-    assert PluginConfig().fuse_qk_norm_rope is False
+def test_fuse_qk_norm_rope_is_on_by_default_and_parsed() -> None:
+    assert PluginConfig().fuse_qk_norm_rope is True
     assert PluginConfig.from_dict({"fuse_qk_norm_rope": True}).fuse_qk_norm_rope is True
 
 

@@ -96,8 +96,24 @@ def test_decode_rows_take_the_kernel_prefill_rows_vllms_gemm(built) -> None:
         assert row["row_independent"], (name, row)
 
 
-def test_small_m_gemm_is_off_by_default_and_parsed() -> None:
-    assert PluginConfig().small_m_gemm is False
+def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:
+    assert PluginConfig().small_m_gemm == "auto"
     assert PluginConfig.from_dict({"small_m_gemm": True}).small_m_gemm is True
-    with pytest.raises(ValueError, match="small_m_gemm='yes' must be true or false"):
+    assert PluginConfig.from_dict({"small_m_gemm": False}).small_m_gemm is False
+    with pytest.raises(ValueError, match="small_m_gemm='yes' must be true, false or \"auto\""):
         PluginConfig.from_dict({"small_m_gemm": "yes"})
+
+
+@pytest.mark.parametrize(("n", "k", "picked"), [
+    # (outputs, inputs) of the real decode linears (benchmarks/gemm_kernels.py shapes)
+    (1024, 2048, True), (1024, 3072, True),      # Qwen3-0.6B o_proj, down_proj
+    (4096, 1024, False), (6144, 1024, False),    # Qwen3-0.6B qkv_proj, gate_up_proj
+    (4096, 4096, True), (4096, 12288, True),     # Qwen3-8B o_proj, down_proj
+    (6144, 4096, False), (24576, 4096, False),   # Qwen3-8B qkv_proj, gate_up_proj
+    (2048, 4096, True), (5120, 2048, False),     # Qwen3-30B-A3B o_proj, qkv_proj
+    (128, 2048, False),                          # Qwen3-30B-A3B router gate: not measured
+])
+def test_auto_takes_the_layers_measured_faster(n, k, picked) -> None:
+    from vllm_moe_graphs.integration.linear import auto_selects
+
+    assert auto_selects(n, k) is picked

@@ -1,11 +1,18 @@
 """Decode-time linear layers through the plugin's small-M GEMM (`ops/small_m_gemm.py`).
 
-Opt-in (`--additional-config '{"moe_graphs": {"small_m_gemm": true}}'`), experimental: at batch 1
-the decode step of a small dense model is bound by cuBLAS's small-M GEMMs, which read the
-weights at ~30% of HBM bandwidth on an H200 (docs/benchmarking.md). When on, every vLLM linear
-layer whose quant method is exactly `UnquantizedLinearMethod` (fp16 / bf16 weights, nn.Linear
-layout) gets a `SmallMLinearMethod`: an input of at most `MAX_M` rows goes to `small_m_linear`,
-anything larger (prefill) to vLLM's own GEMM. Eager and replayed decode steps use the same
+Config key `small_m_gemm` ("auto" by default, true, false). At batch 1 the decode step of a
+small dense model is bound by cuBLAS's small-M GEMMs, which read the weights at ~30% of HBM
+bandwidth on an H200 (docs/benchmarking.md). A chosen linear layer whose quant method is exactly
+`UnquantizedLinearMethod` (fp16 / bf16 weights, nn.Linear layout) gets a `SmallMLinearMethod`:
+an input of at most `MAX_M` rows goes to `small_m_linear`, anything larger (prefill) to vLLM's
+own GEMM.
+
+Which layers: true takes every eligible one. "auto" takes those where the kernel measured
+faster than cuBLAS on the H200 (`benchmarks/results/gemm-kernels-h200.txt`): more input than
+output features (K >= N) and N >= 1024, i.e. o_proj and down_proj (split-K keeps every SM
+busy where cuBLAS launches too few output tiles: 0.6B o_proj 5.1 vs 12.6 us at M=1, down
+5.7 vs 7.3, 8B 1.06-1.11x, 30B-A3B o_proj 1.15x). qkv_proj and gate_up_proj (N > K) were
+0.79-0.96x of cuBLAS and stay there; router gates (N = experts) were not measured and stay too. Eager and replayed decode steps use the same
 kernel, so graphs vs kill switch stay token-identical, and a row's result does not depend on the
 batch it came with. The split-K workspace is one persistent buffer shared by every layer
 (kernels of one stream run one after the other), allocated here, before any capture.
@@ -71,10 +78,21 @@ def _eligible(module: Any) -> bool:
             and w.stride(1) == 1 and w.device.type != "meta")
 
 
-def install_small_m_gemm(model: torch.nn.Module) -> dict[str, SmallMLinearMethod]:
-    """Give every eligible linear layer of `model` a `SmallMLinearMethod`; returns them by
-    module name. Call after the weights are loaded and before any graph capture."""
-    layers = {name: m for name, m in model.named_modules() if _eligible(m)}
+AUTO_MIN_N = 1024
+
+
+def auto_selects(n: int, k: int) -> bool:
+    """The "auto" rule: a weight of N outputs x K inputs where the kernel measured faster."""
+    return k >= n >= AUTO_MIN_N
+
+
+def install_small_m_gemm(model: torch.nn.Module,
+                         which: bool | str = True) -> dict[str, SmallMLinearMethod]:
+    """Give the eligible linear layers of `model` a `SmallMLinearMethod` (`which`: True every
+    one, "auto" those `auto_selects`); returns them by module name. Call after the weights are
+    loaded and before any graph capture."""
+    layers = {name: m for name, m in model.named_modules() if _eligible(m)
+              and (which is True or auto_selects(*m.weight.shape))}
     if not layers:
         return {}
     num_sms = device_num_sms(next(iter(layers.values())).weight.device)
@@ -89,6 +107,7 @@ def install_small_m_gemm(model: torch.nn.Module) -> dict[str, SmallMLinearMethod
         method = SmallMLinearMethod(configs[name], workspace)
         module.quant_method = method
         methods[name] = method
-    logger.info("moe_graphs: small-M GEMM on %d linear layers (<= %d rows; workspace %.1f MiB)",
-                len(methods), MAX_M, need * 4 / 2**20)
+    logger.info("moe_graphs: small-M GEMM on %d linear layers (%s; <= %d rows; workspace "
+                "%.1f MiB)", len(methods), "auto" if which == "auto" else "all eligible", MAX_M,
+                need * 4 / 2**20)
     return methods

@@ -206,7 +206,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         if self.moe_config.enabled and self.moe_config.small_m_gemm and proof.holds:
             from vllm_moe_graphs.integration.linear import install_small_m_gemm
 
-            self._mg_linear = install_small_m_gemm(self.get_model())
+            self._mg_linear = install_small_m_gemm(self.get_model(), self.moe_config.small_m_gemm)
         if self.moe_config.enabled and self.moe_config.fuse_qk_norm_rope and proof.holds:
             from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
 
