@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     CONTEXT_TOO_LONG = "context_too_long"
     CAPTURE_FAILED = "capture_failed"
     MEMORY_BUDGET = "memory_budget"
+    RANK_DISAGREEMENT = "rank_disagreement"
 
 
 REMEDY: dict[Reason, str] = {
@@ -79,6 +80,9 @@ REMEDY: dict[Reason, str] = {
     Reason.CAPTURE_FAILED: "see the log for the capture error; the key stays quarantined and runs "
     "eager",
     Reason.MEMORY_BUDGET: "raise graph_memory_budget_mib or use fewer buckets",
+    Reason.RANK_DISAGREEMENT: "tensor-parallel ranks decided differently for this step (e.g. the "
+    "kill file seen by one rank first, a key quarantined on one rank): every rank ran it eager; "
+    "a steady count points to one rank's log",
 }
 assert set(REMEDY) == set(Reason), "every Reason needs a remedy"
 
