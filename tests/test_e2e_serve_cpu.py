@@ -7,6 +7,7 @@ MOE_GRAPHS_DISABLE=1 leaves stock vLLM serving with none of our series.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -81,6 +82,28 @@ def test_serve_two_api_servers_no_double_counting(tiny_qwen3, cpu_vllm, tmp_path
         assert len(_metric_lines(metrics, "moe_graphs_replays_total")) == 1
         assert len(re.findall(r'^moe_graphs_capability\{reason="no_cuda"\} 1\.0$', metrics,
                               re.MULTILINE)) == 1
+
+
+def test_serve_tensor_parallel_each_rank_once(tiny_qwen3, cpu_vllm, tmp_path):
+    """--tensor-parallel-size 2 (two worker processes, issue #7): both ranks load the plugin
+    and record their own counters; /metrics shows each rank's series exactly once."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPUs for 2 CPU workers, have {cpus}")
+    log_path = str(tmp_path / "serve.log")
+    # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per rank
+    with vllm_serve(tiny_qwen3, cpu_vllm, log_path, args=("--tensor-parallel-size", "2"),
+                    env_extra={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}) as base:
+        out = _complete(base, tiny_qwen3)
+        assert out["usage"]["completion_tokens"] == 4
+        metrics = get(base + "/metrics")
+    log = open(log_path).read()
+    recorded = re.findall(r"recorded capability in process \S+ \(pid \d+, rank (\d+)\)", log)
+    assert sorted(set(recorded)) == ["0", "1"], recorded
+    assert sorted(_metric_lines(metrics, "moe_graphs_replays_total")) == [
+        'moe_graphs_replays_total{rank="0"} 0.0', 'moe_graphs_replays_total{rank="1"} 0.0']
+    info = [ln for ln in _metric_lines(metrics, "moe_graphs_info") if ln.endswith(" 1.0")]
+    assert info == ['moe_graphs_info{mode="stock",version="0.1.0"} 1.0'], info
 
 
 def test_serve_bad_env_value_fails_at_startup(tiny_qwen3, cpu_vllm):
