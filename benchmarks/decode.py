@@ -23,6 +23,7 @@ from typing import Any
 from benchmarks import plot, report, sweep
 from benchmarks.modes import DEFAULT_MODES, MODES, parse_modes
 from benchmarks.protocol import (
+    merge_rounds,
     spec_to_json,
 )
 from benchmarks.shapes import MODELS, REPO_ROOT
@@ -98,6 +99,14 @@ def run_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="measurements of every point, each with fresh requests (default: 3)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start every mode's engine this many times, in alternating mode order, and pool "
+        "the rounds' steps: on a host whose speed shifts over time each mode then samples it "
+        "at several moments (default: 1)",
     )
     ap.add_argument(
         "--decode-tokens",
@@ -191,7 +200,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(MODELS)}"
         )
-    for flag, value in (("--repeats", args.repeats), ("--decode-tokens", args.decode_tokens)):
+    for flag, value in (("--repeats", args.repeats), ("--rounds", args.rounds),
+                        ("--decode-tokens", args.decode_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.warmup_steps < 0:
@@ -248,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     t_end = None if args.time_budget_s is None else t_start + args.time_budget_s - sweep.RESERVE_S
     results, failures, skipped = sweep.execute(specs, work_dir, t_end, args.mode_timeout_s)
     bandwidths = [r.bandwidth_gbps for r in results if r.bandwidth_gbps]
+    results = merge_rounds(results)
     bw = statistics.median(bandwidths) if bandwidths else None
     rows = []
     for result in results:

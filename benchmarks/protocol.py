@@ -36,6 +36,7 @@ class WorkerSpec:
     vocab_size: int
     seed: int
     result_path: str
+    round: int = 0  # --rounds: which round of engine starts this worker belongs to (0-based)
     # Absolute `time.time()` limits; None = unlimited.
     hard_deadline: float | None = None  # the whole run's end: no point starts after this
     first_pass_deadline: float | None = None  # repeat 1 starts no point after this ...
@@ -84,6 +85,30 @@ class WorkerResult:
         p = PointResult(batch=batch, context=context)
         self.points.append(p)
         return p
+
+
+def merge_rounds(results: list[WorkerResult]) -> list[WorkerResult]:
+    """One result per (model, mode), the rounds of `--rounds` pooled: every point's steps and
+    per-repeat p50s in round order. Engine facts (status, start-up, capture, runner, config)
+    are those of the first round whose engine started: its start-up is the cold one an operator
+    sees. Order of first appearance; the inputs are not changed."""
+    groups: dict[tuple[str, str], list[WorkerResult]] = {}
+    for r in results:
+        groups.setdefault((r.model, r.mode), []).append(r)
+    merged = []
+    for rounds in groups.values():
+        base = next((r for r in rounds if r.startup_s is not None), rounds[0])
+        out = dataclasses.replace(base, points=[], skipped=[s for r in rounds for s in r.skipped])
+        for r in rounds:
+            for p in r.points:
+                q = out.point(p.batch, p.context)
+                q.step_ms += p.step_ms
+                q.repeat_p50_ms += p.repeat_p50_ms
+                q.prefill_s += p.prefill_s
+                q.repeats_done += p.repeats_done
+                q.error = None if q.step_ms else (q.error or p.error)
+        merged.append(out)
+    return merged
 
 
 def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:

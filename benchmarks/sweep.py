@@ -71,37 +71,46 @@ def plan(
     modes = parse_modes(args.modes)
     absent = {m.name: m.available().text() for m in modes if not m.available().ok}
     runnable: list[Mode] = [m for m in modes if m.name not in absent]
-    specs, layers, shapes = [], {}, {}
+    specs, layers, shapes, configs = [], {}, {}, {}
     mml = max_model_len(args.contexts, args.batches, args.decode_tokens, args.warmup_steps)
     for model in args.models:
         config_dir, layers[model] = prepare_config_dir(model, args.num_layers, work_dir)
         cfg = read_config(config_dir)
         shapes[model] = ModelShape.from_config(cfg)
-        common = common_llm_kwargs(
-            config_dir=str(config_dir),
-            max_num_seqs=max(args.batches),
-            max_model_len=mml,
-            seed=args.seed,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
-        for mode in runnable:
-            specs.append(
-                WorkerSpec(
-                    model=model,
-                    config_dir=str(config_dir),
-                    mode=mode.name,
-                    llm_kwargs=mode.llm_kwargs(common),
-                    env=mode.worker_env(),
-                    batches=args.batches,
-                    contexts=args.contexts,
-                    repeats=args.repeats,
-                    decode_tokens=args.decode_tokens,
-                    warmup_steps=args.warmup_steps,
-                    vocab_size=int(cfg["vocab_size"]),
-                    seed=args.seed,
-                    result_path=str(work_dir / f"result-{model}-{mode.name}.json"),
-                )
+        configs[model] = (config_dir, cfg)
+    for rnd in range(args.rounds):
+        # Odd rounds run the modes in reverse order, so that no mode always goes first (cold
+        # machine) or last; every round starts fresh engines, so each mode samples the host at
+        # several moments (this VM's vCPU speed shifts over tens of seconds).
+        for model in args.models:
+            config_dir, cfg = configs[model]
+            common = common_llm_kwargs(
+                config_dir=str(config_dir),
+                max_num_seqs=max(args.batches),
+                max_model_len=mml,
+                seed=args.seed,
+                gpu_memory_utilization=args.gpu_memory_utilization,
             )
+            suffix = f"-r{rnd}" if rnd else ""
+            for mode in runnable if rnd % 2 == 0 else runnable[::-1]:
+                specs.append(
+                    WorkerSpec(
+                        model=model,
+                        config_dir=str(config_dir),
+                        mode=mode.name,
+                        llm_kwargs=mode.llm_kwargs(common),
+                        env=mode.worker_env(),
+                        batches=args.batches,
+                        contexts=args.contexts,
+                        repeats=args.repeats,
+                        decode_tokens=args.decode_tokens,
+                        warmup_steps=args.warmup_steps,
+                        vocab_size=int(cfg["vocab_size"]),
+                        seed=args.seed,
+                        result_path=str(work_dir / f"result-{model}-{mode.name}{suffix}.json"),
+                        round=rnd,
+                    )
+                )
     return specs, absent, layers, shapes
 
 
@@ -132,7 +141,7 @@ def _stop_group(proc: subprocess.Popen[str]) -> None:
 
 def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float) -> tuple[WorkerResult, str | None]:
     """Run one worker to completion or `limit_s`; returns its result and a run-level error."""
-    stem = f"{spec.model}-{spec.mode}"
+    stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
     spec_path, log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
     write_json_atomic(spec_path, spec_to_json(spec))
     env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
@@ -309,7 +318,9 @@ def execute(
             spec.hard_deadline, spec.first_pass_deadline, spec.soft_deadline = budget
         limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now + KILL_GRACE_S)
         left_txt = "" if t_end is None else f", {t_end - now:.0f} s of budget left"
-        print(f"[decode] {i + 1}/{len(specs)} {spec.model} {spec.mode}{left_txt}", flush=True)
+        rnd = f" round {spec.round + 1}" if spec.round else ""
+        print(f"[decode] {i + 1}/{len(specs)} {spec.model} {spec.mode}{rnd}{left_txt}",
+              flush=True)
         result, error = run_worker(spec, work_dir, limit)
         results.append(result)
         if error:

@@ -610,3 +610,50 @@ print(json.dumps(plugin_counters()))
     assert got["mode"] == "graphs" and got["replays"] == 5 and got["captures"] == 1
     assert got["fallbacks"] == {"mixed_batch": 2} and got["pool_bytes"] == 3 * 2**20
     assert got["capture_seconds"] == pytest.approx(0.25) and got["scratch_bytes"] == 1024
+
+
+def test_rounds_alternate_mode_order_and_keep_files_apart(tmp_path: Path) -> None:
+    out = _cli("--dry-run", "--models", "qwen3-0.6b", "--modes",
+               "stock_full_decode_nc,plugin_graphs,stock_graphs", "--rounds", "3",
+               "--num-layers", "2", "--log-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    workers = json.loads(out.stdout)["workers"]
+    order = ["stock_full_decode_nc", "plugin_graphs", "stock_graphs"]
+    assert [w["mode"] for w in workers] == order + order[::-1] + order
+    assert [w["round"] for w in workers] == [0] * 3 + [1] * 3 + [2] * 3
+    paths = [w["result_path"] for w in workers]
+    assert len(set(paths)) == 9
+    assert paths[0].endswith("result-qwen3-0.6b-stock_full_decode_nc.json")
+    assert paths[5].endswith("result-qwen3-0.6b-stock_full_decode_nc-r1.json")
+    bad = _cli("--dry-run", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds must be >= 1, got 0" in bad.stderr
+
+
+def test_merge_rounds_pools_steps_and_keeps_the_first_engine() -> None:
+    from benchmarks.protocol import merge_rounds
+
+    def result(mode: str, startup: float, steps: list[float], rnd_error: str | None = None):
+        pts = [PointResult(1, 512, step_ms=list(steps), repeat_p50_ms=[steps[0]],
+                           prefill_s=[0.1], repeats_done=1)]
+        if rnd_error:
+            pts.append(PointResult(8, 512, error=rnd_error))
+        return WorkerResult(model="qwen3-0.6b", mode=mode, status="ok", startup_s=startup,
+                            points=pts)
+
+    first = result("plugin_graphs", 30.0, [1.7, 1.6])
+    merged = merge_rounds([first, result("stock_graphs", 46.0, [1.5]),
+                           result("stock_graphs", 44.0, [2.0]),
+                           result("plugin_graphs", 6.0, [1.4, 1.3], rnd_error="boom")])
+    assert [(r.mode, r.startup_s) for r in merged] == [("plugin_graphs", 30.0),
+                                                        ("stock_graphs", 46.0)]
+    plugin = merged[0]
+    p1 = plugin.point(1, 512)
+    assert p1.step_ms == [1.7, 1.6, 1.4, 1.3] and p1.repeat_p50_ms == [1.7, 1.4]
+    assert p1.repeats_done == 2 and p1.prefill_s == [0.1, 0.1]
+    assert plugin.point(8, 512).error == "boom"  # no round measured it
+    assert first.points[0].step_ms == [1.7, 1.6], "the inputs are not changed"
+    failed = WorkerResult(model="qwen3-0.6b", mode="stock_eager", status="failed", error="oom")
+    (late,) = merge_rounds([failed, result("stock_eager", 7.0, [20.0])])
+    assert late.status == "ok" and late.startup_s == 7.0, "engine facts of the round that ran"
+    (row,) = report.build_rows(merged[1], _shape("qwen3-0.6b"), None)
+    assert row.repeats == 2 and row.repeat_p50_ms == [1.5, 2.0] and row.steps == 2
