@@ -12,7 +12,9 @@ faster than cuBLAS on the H200 (`benchmarks/results/gemm-kernels-h200.txt`): mor
 output features (K >= N) and N >= 1024, i.e. o_proj and down_proj (split-K keeps every SM
 busy where cuBLAS launches too few output tiles: 0.6B o_proj 5.1 vs 12.6 us at M=1, down
 5.7 vs 7.3, 8B 1.06-1.11x, 30B-A3B o_proj 1.15x). qkv_proj and gate_up_proj (N > K) were
-0.79-0.96x of cuBLAS and stay there; router gates (N = experts) were not measured and stay too. Eager and replayed decode steps use the same
+0.79-0.96x of cuBLAS and stay there; router gates (N = experts) were not measured and stay too.
+
+Eager and replayed decode steps use the same
 kernel, so graphs vs kill switch stay token-identical, and a row's result does not depend on the
 batch it came with. The split-K workspace is one persistent buffer shared by every layer
 (kernels of one stream run one after the other), allocated here, before any capture.
