@@ -19,9 +19,10 @@ kernel, so graphs vs kill switch stay token-identical, and a row's result does n
 batch it came with. The split-K workspace is one persistent buffer shared by every layer
 (kernels of one stream run one after the other), allocated here, before any capture.
 
-Layers reached: Qwen3's qkv_proj, o_proj, gate_up_proj, down_proj and Qwen3-MoE's attention
-projections and router gate; not the MoE experts (fused MoE) and not the LM head (an
-embedding's matmul, already near the bandwidth floor in cuBLAS).
+Layers reachable (with `true`; "auto" picks among them): Qwen3's qkv_proj, o_proj,
+gate_up_proj, down_proj and Qwen3-MoE's attention projections and router gate; not the MoE
+experts (fused MoE) and not the LM head (an embedding's matmul, already near the bandwidth
+floor in cuBLAS).
 """
 
 from __future__ import annotations
