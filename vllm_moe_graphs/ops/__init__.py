@@ -18,6 +18,7 @@ from vllm_moe_graphs.ops.kv_write import (
 from vllm_moe_graphs.ops.paged_decode import (
     DecodeKernelConfig,
     allocate_decode_workspace,
+    decode_semaphores_numel,
     choose_num_splits,
     decode_workspace_shape,
     paged_decode_attention,
@@ -27,6 +28,7 @@ from vllm_moe_graphs.ops.small_m_gemm import (
     SmallMGemmConfig,
     choose_small_m_config,
     small_m_linear,
+    small_m_counters_numel,
     small_m_workspace_numel,
 )
 
@@ -38,12 +40,14 @@ __all__ = [
     "PrefillKernelConfig",
     "SmallMGemmConfig",
     "allocate_decode_workspace",
+    "decode_semaphores_numel",
     "choose_num_splits",
     "choose_small_m_config",
     "decode_workspace_shape",
     "paged_decode_attention",
     "paged_prefill_attention",
     "small_m_linear",
+    "small_m_counters_numel",
     "small_m_workspace_numel",
     "split_kv_cache",
     "write_kv",
