@@ -18,8 +18,7 @@ device-to-device copy.
 
 Output: a table on stdout and a JSON file (`--out`) with `rows`, `ratios` keyed
 `attn_vllm_triton_attn_over_plugin/<model>/b<batch>/c<context>` (vLLM time / our time, > 1 means
-ours is faster) and `pct_hbm` per row (ours as the backend runs it: split merge inside the launch;
-split rows also give `two_launch_us`, the same split with the separate reduce kernel); with `--sweep`, also every tried kernel config per shape
+ours is faster) and `pct_hbm` per row; with `--sweep`, also every tried kernel config per shape
 and the best one. Exit status 1 if any shape disagrees numerically, 2 without CUDA.
 """
 
@@ -275,22 +274,17 @@ class VllmTritonAttn:
 
 
 class Ours:
-    """Our decode kernel as the backend launches it: split merge fused into the launch
-    (`semaphores`); with semaphores=None the two-launch path (reduce kernel)."""
-
-    def __init__(self, torch, case: Case, num_splits: int, config, workspace, semaphores):
+    def __init__(self, torch, case: Case, num_splits: int, config, workspace):
         from vllm_moe_graphs.ops import paged_decode_attention
 
         self.fn, self.case = paged_decode_attention, case
         self.num_splits, self.config, self.workspace = num_splits, config, workspace
-        self.semaphores = semaphores
 
     def __call__(self, copy: int, out) -> None:
         c = self.case
         key_cache, value_cache = c.views[copy]
         self.fn(out, c.query, key_cache, value_cache, c.block_table, c.seq_lens, c.scale,
-                num_splits=self.num_splits, workspace=self.workspace,
-                semaphores=self.semaphores, config=self.config)
+                num_splits=self.num_splits, workspace=self.workspace, config=self.config)
 
 
 # ----------------------------------------------------------------------------- main
@@ -329,10 +323,8 @@ def run(args: argparse.Namespace) -> int:
             split_values += [auto_splits if s == "auto" else int(s) for s in args.sweep_splits]
         workspace = pd.allocate_decode_workspace(batch, shape.num_q_heads, shape.head_size,
                                                  max(split_values), DEVICE)
-        semaphores = torch.zeros(pd.decode_semaphores_numel(batch, shape.num_kv_heads),
-                                 dtype=torch.int32, device=DEVICE)
         vllm = VllmTritonAttn(torch, case)
-        ours = Ours(torch, case, split_values[0], default_cfg, workspace, semaphores)
+        ours = Ours(torch, case, split_values[0], default_cfg, workspace)
 
         # numerics first: both kernels on copy 0, compared with each other
         vllm(0, case.out_vllm)
@@ -350,10 +342,6 @@ def run(args: argparse.Namespace) -> int:
 
         vllm_us = _time_graph(torch, fns(vllm, case.out_vllm), *timing)
         ours_us = _time_graph(torch, fns(ours, case.out_ours), *timing)
-        extra = {}
-        if split_values[0] > 1:  # the same split without the fused merge: a reduce launch
-            two = Ours(torch, case, split_values[0], default_cfg, workspace, None)
-            extra["two_launch_us"] = _time_graph(torch, fns(two, case.out_ours), *timing)
         floor_us = case.io_bytes() / bandwidth * 1e6
         row = dict(model=model, batch=batch, context=context, dtype=args.dtype,
                    block_size=args.block_size, num_splits=split_values[0], **asdict(default_cfg),
@@ -361,16 +349,14 @@ def run(args: argparse.Namespace) -> int:
                    hbm_floor_us=floor_us, pct_hbm=100 * floor_us / ours_us,
                    vllm_pct_hbm=100 * floor_us / vllm_us, kv_bytes=case.kv_bytes(),
                    cache_copies=copies, graph_launches=timing[0], max_abs_diff=diff,
-                   agree=agree, **extra)
+                   agree=agree)
         rows.append(row)
         ratios[f"attn_vllm_triton_attn_over_plugin/{key}"] = row["ratio"]
         pct_hbm[key] = row["pct_hbm"]
         print(f"{model:>14} b{batch:<4} c{context:<6} splits {split_values[0]:>2}  "
               f"ours {ours_us:9.2f} us  vllm {vllm_us:9.2f} us  ratio {row['ratio']:5.2f}  "
               f"hbm {row['pct_hbm']:5.1f}% (vllm {row['vllm_pct_hbm']:5.1f}%)  "
-              f"diff {diff:.1e}{'' if agree else '  MISMATCH'}"
-              + (f"  (two launches {extra['two_launch_us']:.2f} us)" if extra else ""),
-              flush=True)
+              f"diff {diff:.1e}{'' if agree else '  MISMATCH'}", flush=True)
 
         if args.sweep:
             trials = []
@@ -378,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
                                      args.sweep_num_stages, sorted(set(split_values[1:])))
             for block_n, warps, stages, splits in grid:
                 cfg = DecodeKernelConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-                trial = Ours(torch, case, splits, cfg, workspace, semaphores)
+                trial = Ours(torch, case, splits, cfg, workspace)
                 try:
                     us = _time_graph(torch, fns(trial, case.out_ours), *timing)
                 except Exception as exc:  # e.g. out of shared memory for a big config
@@ -395,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
                       f" stages {best['num_stages']} splits {best['num_splits']}: "
                       f"{best['us']:.2f} us, ratio {best['ratio']:.2f}, "
                       f"hbm {best['pct_hbm']:.1f}%", flush=True)
-        del case, vllm, ours, workspace, semaphores
+        del case, vllm, ours, workspace
         torch.cuda.empty_cache()
 
     result = dict(

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             key = f"{name}/m{m}"
             case = Case(torch, n, k, m, dtype, copies, args.bias, args.seed)
 
-            def ours_fns(c, case=case, counters=None, x=None, act=None):
+            def ours_fns(c, counters=None, x=None, act=None, *, case=case):
                 x = case.x if x is None else x
                 return [lambda w=w: small_m_linear(x, w, case.bias, out=case.out,
                                                    workspace=workspace, counters=counters,

@@ -11,7 +11,6 @@ from vllm_moe_graphs.ops import (
     DecodeKernelConfig,
     allocate_decode_workspace,
     choose_num_splits,
-    decode_semaphores_numel,
     decode_workspace_shape,
     paged_decode_attention,
 )
@@ -46,7 +45,7 @@ def _setup(seq_lens, group, head_size, block_size, layout, device, num_kv_heads=
     return kv, table, lens, query
 
 
-def _run(kv, table, lens, query, scale, num_splits=1, config=None, semaphores=None):
+def _run(kv, table, lens, query, scale, num_splits=1, config=None):
     out = poisoned(query)
     ws = None
     if num_splits > 1:
@@ -54,8 +53,7 @@ def _run(kv, table, lens, query, scale, num_splits=1, config=None, semaphores=No
                                        num_splits + 1)
         ws = torch.full(shape, float("nan"), device=query.device)  # larger than needed, poisoned
     paged_decode_attention(out, query, kv.key_cache, kv.value_cache, table, lens, scale,
-                           num_splits=num_splits, workspace=ws, config=config,
-                           semaphores=semaphores)
+                           num_splits=num_splits, workspace=ws, config=config)
     return out
 
 
@@ -97,34 +95,6 @@ def test_split_equals_unsplit(num_splits, device):
     assert_close_to_ref(split, whole, 1e-6, 1e-6, f"{num_splits} splits vs 1")
     ref = reference_paged_decode(query, kv.key_cache, kv.value_cache, table, lens, 0.2)
     assert_close_to_ref(split, ref, ATOL, RTOL, "split vs reference")
-
-
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
-@pytest.mark.parametrize("group,num_kv_heads", [(2, 2), (4, 1), (3, 2)])
-def test_fused_merge_is_bitwise_the_reduce_kernel(num_splits, group, num_kv_heads, device):
-    # The last split of each (sequence, kv head) merges inside the launch with the reduce
-    # kernel's code: same bits; empty splits and padded rows included; semaphores left zero.
-    kv, table, lens, query = _setup([150, 1, 0, 20, 47], group, 64, 16, "vllm_nhd", device,
-                                    num_kv_heads=num_kv_heads)
-    cfg = DecodeKernelConfig(block_n=16)
-    sems = torch.zeros(decode_semaphores_numel(5, num_kv_heads) + 3, dtype=torch.int32,
-                       device=device)
-    two = _run(kv, table, lens, query, 0.2, num_splits=num_splits, config=cfg)
-    for _ in range(2):
-        fused = _run(kv, table, lens, query, 0.2, num_splits=num_splits, config=cfg,
-                     semaphores=sems)
-        assert torch.equal(fused, two)
-        assert int(sems.abs().sum()) == 0, sems.tolist()
-
-
-def test_semaphores_are_checked(device):
-    kv, table, lens, query = _setup([40, 9], 2, 64, 16, "nb2", device)
-    with pytest.raises(ValueError, match="contiguous int32 tensor of >= 4 elements"):
-        _run(kv, table, lens, query, 0.1, num_splits=2,
-             semaphores=torch.zeros(3, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="int32"):
-        _run(kv, table, lens, query, 0.1, num_splits=2,
-             semaphores=torch.zeros(4, device=device))
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])

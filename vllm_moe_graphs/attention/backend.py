@@ -258,7 +258,6 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
                 self.scale,
                 num_splits=md.num_splits,
                 workspace=md.workspace,
-                semaphores=md.semaphores,
             )
         else:
             tokens = md.num_actual_tokens

@@ -30,11 +30,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.ops import (
-    choose_num_splits,
-    decode_semaphores_numel,
-    decode_workspace_shape,
-)
+from vllm_moe_graphs.ops import choose_num_splits, decode_workspace_shape
 from vllm_moe_graphs.ops.kv_write import check_block_size, check_head_size
 
 if TYPE_CHECKING:
@@ -81,7 +77,6 @@ class MoeGraphsAttentionMetadata:
     context_bucket: int  # longest context `num_splits` was planned for
     num_splits: int  # S of the decode kernel (1: no split, no workspace)
     workspace: torch.Tensor | None  # [B, Hq, S, D + 2] float32 when num_splits > 1
-    semaphores: torch.Tensor | None = None  # [>= B * Hkv] int32 zeros: merge in the launch
 
 
 class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetadata]):
@@ -129,10 +124,6 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         # floats as [B, Hq, S, D + 2]. S shrinks as B grows, so the largest need is max_b b*S(b)
         # rows, far less than max_num_seqs * max_splits.
         self._workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=device)
-        # One counter per (row, kv head): the last split to finish merges inside the decode
-        # launch (no reduce kernel). Zero between launches; every launch leaves them zero.
-        self._semaphores = torch.zeros(
-            decode_semaphores_numel(self.max_num_reqs, self.num_heads_kv), **int32)
 
     # ------------------------------------------------------------------------- plan
 
@@ -196,7 +187,6 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
             context_bucket=bucket,
             num_splits=num_splits,
             workspace=self._workspace_view(num_reqs, num_splits) if num_splits > 1 else None,
-            semaphores=self._semaphores if num_splits > 1 else None,
         )
 
     def build_for_cudagraph_capture(
@@ -213,8 +203,7 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a captured graph reads (their identity is part of the KV storage's)."""
         return {"query_start_loc": self._query_start_loc, "seq_lens": self._seq_lens,
-                "block_table": self._block_table, "workspace": self._workspace,
-                "semaphores": self._semaphores}
+                "block_table": self._block_table, "workspace": self._workspace}
 
     # ------------------------------------------------------------------------- helpers
 

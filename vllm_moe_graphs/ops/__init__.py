@@ -18,7 +18,6 @@ from vllm_moe_graphs.ops.kv_write import (
 from vllm_moe_graphs.ops.paged_decode import (
     DecodeKernelConfig,
     allocate_decode_workspace,
-    decode_semaphores_numel,
     choose_num_splits,
     decode_workspace_shape,
     paged_decode_attention,
@@ -40,7 +39,6 @@ __all__ = [
     "PrefillKernelConfig",
     "SmallMGemmConfig",
     "allocate_decode_workspace",
-    "decode_semaphores_numel",
     "choose_num_splits",
     "choose_small_m_config",
     "decode_workspace_shape",

@@ -13,12 +13,8 @@ Design, per program = (sequence b, kv head h, split s):
 - split-K: the context of every sequence is cut into `num_splits` equal chunks (rounded up to
   BLOCK_N so tiles never straddle chunks). `num_splits` is a host constant chosen from the
   *bucket* (`choose_num_splits`), never from data; chunk bounds are computed in the kernel
-  from seq_lens. Each split writes (acc, max, sum) to the workspace and the splits are merged
-  with a log-sum-exp rescale, exact up to fp32 rounding: by `_decode_reduce_kernel` (a second
-  launch) or, when the caller passes `semaphores` (int32 zeros, one per (sequence, kv head)),
-  inside the same launch by the last split of each (sequence, kv head) to finish (it bumps the
-  counter with an acq_rel atomic after storing; the one that sees S - 1 merges the G heads and
-  resets the counter). Both merges run the same `_merge_splits` code: bitwise equal.
+  from seq_lens. Each split writes (acc, max, sum) to the workspace and `_decode_reduce_kernel`
+  merges them with a log-sum-exp rescale, which is exact up to fp32 rounding.
 Graph safety: the launchers read only shapes and host constants; no allocation, no sync.
 """
 
@@ -51,7 +47,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 DOT_MIN_GROUP = 2  # G >= this uses tl.dot (M padded to DOT_MIN_M), else multiply-reduce
 DOT_MIN_M = 16  # smallest M tl.dot accepts
-MIN_TOKENS_PER_SPLIT = 128  # shorter splits cost more in the merge than they win (2 tiles)
+MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile (H200, b1 c512: 8 splits beat 4)
 MAX_SPLITS = 64  # upper bound for choose_num_splits (also sizes the reduce tile)
 TARGET_PROGRAMS_PER_SM = 2  # split until B * Hkv * S reaches this many programs per SM
 REDUCE_NUM_WARPS = 4
@@ -125,7 +121,6 @@ def _paged_decode_kernel(
     value_cache_ptr,  # [NB, BS, Hkv, D] strided view
     block_table_ptr,  # [B_max, max_blocks] int32
     seq_lens_ptr,  # [B_max] int32, 0 = padded row
-    semaphores_ptr,  # [>= B * Hkv] int32, zero between calls, used when FUSED_REDUCE
     qk_scale,  # float32: softmax scale * log2(e)
     num_splits,  # int32: S, the number of context chunks (1 when not SPLIT)
     stride_q_b: tl.int64,
@@ -150,8 +145,6 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches, "tf32" (ignored) for 16-bit
-    FUSED_REDUCE: tl.constexpr,  # SPLIT and the last split of (seq, kv head) merges
-    SPLITS_PAD: tl.constexpr,  # pow2 >= S (FUSED_REDUCE)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -235,20 +228,6 @@ def _paged_decode_kernel(
         tl.store(row[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
         tl.store(row + HEAD_SIZE, m_i, mask=g_mask)
         tl.store(row + HEAD_SIZE + 1, l_i, mask=g_mask)
-        if FUSED_REDUCE:
-            # Every thread's stores land before one thread releases the count (CTA barrier,
-            # then an acq_rel atomic at GPU scope); the program that sees S - 1 is the last of
-            # its (sequence, kv head) and reads every split's row from L2.
-            tl.debug_barrier()
-            sem = semaphores_ptr + seq * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                for g in tl.static_range(GROUP):
-                    _merge_splits(out_ptr, workspace_ptr, seq.to(tl.int64),
-                                  (kv_head * GROUP + g).to(tl.int64), num_splits, stride_o_b,
-                                  stride_o_h, stride_w_b, stride_w_h, stride_w_s, HEAD_SIZE,
-                                  SPLITS_PAD)
-                tl.atomic_xchg(sem, 0)  # ready for the next call
     else:
         denom = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 -> acc 0 / 1 = 0, never NaN
         o = acc / denom[:, None]
@@ -272,42 +251,21 @@ def _decode_reduce_kernel(
     HEAD_SIZE: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # pow2 >= S
 ):
-    _merge_splits(out_ptr, workspace_ptr, tl.program_id(0).to(tl.int64),
-                  tl.program_id(1).to(tl.int64), num_splits, stride_o_b, stride_o_h, stride_w_b,
-                  stride_w_h, stride_w_s, HEAD_SIZE, SPLITS_PAD)
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr,
-    workspace_ptr,
-    seq,  # int64
-    head,  # int64: query head
-    num_splits,
-    stride_o_b,
-    stride_o_h,
-    stride_w_b,
-    stride_w_h,
-    stride_w_s,
-    HEAD_SIZE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """out[seq, head] from the S split rows of the workspace (.cg loads: L2, never a stale L1
-    line, as the fused merge needs)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_SIZE)
     s_mask = offs_s < num_splits
 
     row = workspace_ptr + seq * stride_w_b + head * stride_w_h + offs_s * stride_w_s  # [SPLITS_PAD]
-    m = tl.load(row + HEAD_SIZE, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(row + HEAD_SIZE + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+    m = tl.load(row + HEAD_SIZE, mask=s_mask, other=float("-inf"))
+    l = tl.load(row + HEAD_SIZE + 1, mask=s_mask, other=0.0)
     live = m > float("-inf")
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty -> zeros, not NaN
     w = tl.where(live, tl.math.exp2(m - m_max), 0.0)  # [SPLITS_PAD]
     denom = tl.sum(w * l, axis=0)
-    acc = tl.load(row[:, None] + offs_d[None, :], mask=live[:, None], other=0.0,
-                  cache_modifier=".cg")  # [SPLITS_PAD, D]
+    acc = tl.load(row[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)  # [SPLITS_PAD, D]
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
         out_ptr + seq * stride_o_b + head * stride_o_h + offs_d,
@@ -329,7 +287,6 @@ def paged_decode_attention(
     *,
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,
-    semaphores: torch.Tensor | None = None,
     config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """out[b, i] = softmax(scale * q[b, i] . K_b^T) V_b over the first seq_lens[b] cached tokens.
@@ -337,11 +294,8 @@ def paged_decode_attention(
     query/out: [B, Hq, D] with B <= B_max; key_cache/value_cache: [NB, BS, Hkv, D] views;
     block_table: [B_max, max_blocks] int32; seq_lens: [B_max] int32 (0 -> zeros, no KV read);
     num_splits: host constant S >= 1 (`choose_num_splits` on the bucket); S > 1 needs a float32
-    `workspace` of at least `decode_workspace_shape(B, Hq, D, S)`, and then `semaphores`
-    (int32, >= B * Hkv elements, zeroed once; every call leaves them zero) merges the splits
-    inside the one launch; without them a second kernel merges (bitwise the same result).
-    Returns `out`. Graph safe: reads only shapes, no allocation, no host sync; grid (B, Hkv, S)
-    [+ (B, Hq)].
+    `workspace` of at least `decode_workspace_shape(B, Hq, D, S)`. Returns `out`.
+    Graph safe: reads only shapes, no allocation, no host sync; grid (B, Hkv, S) [+ (B, Hq)].
     """
     # NOTE: graph safety. Everything below reads shapes, strides, dtypes and host constants
     # only: no `.item()`, no read of seq_lens/block_table, no allocation. `num_splits` must come
@@ -378,11 +332,8 @@ def paged_decode_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
-    fused_reduce = split and semaphores is not None
     if split:
         _check_workspace(workspace, batch, num_q_heads, head_size, num_splits, query.device)
-    if fused_reduce:
-        _check_semaphores(semaphores, batch, num_kv_heads, query.device)
     if batch == 0:
         return out
 
@@ -402,7 +353,6 @@ def paged_decode_attention(
         value_cache,
         block_table,
         seq_lens,
-        semaphores if fused_reduce else seq_lens,  # placeholder pointer (never touched)
         float(scale) * LOG2E,
         num_splits,
         query.stride(0),
@@ -425,12 +375,10 @@ def paged_decode_attention(
         SPLIT=split,
         USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        FUSED_REDUCE=fused_reduce,
-        SPLITS_PAD=next_power_of_2(num_splits),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split and not fused_reduce:
+    if split:
         _decode_reduce_kernel[(batch, num_q_heads)](
             out,
             workspace,
@@ -445,27 +393,6 @@ def paged_decode_attention(
             num_warps=REDUCE_NUM_WARPS,
         )
     return out
-
-
-def decode_semaphores_numel(max_batch: int, num_kv_heads: int) -> int:
-    """int32 counters the fused split merge needs for batches up to max_batch: allocate once
-    with torch.zeros, outside any captured region; calls on one stream may share them."""
-    return max_batch * num_kv_heads
-
-
-def _check_semaphores(
-    semaphores: torch.Tensor, batch: int, num_kv_heads: int, device: torch.device
-) -> None:
-    need = decode_semaphores_numel(batch, num_kv_heads)
-    if (semaphores.dtype != torch.int32 or not semaphores.is_contiguous()
-            or semaphores.numel() < need):
-        raise ValueError(
-            f"semaphores must be a contiguous int32 tensor of >= {need} elements "
-            f"(decode_semaphores_numel({batch}, {num_kv_heads})), allocated once with "
-            f"torch.zeros, got {semaphores.dtype} shape {tuple(semaphores.shape)}"
-        )
-    if semaphores.device != device:
-        raise ValueError(f"semaphores are on {semaphores.device}, query on {device}")
 
 
 def _check_workspace(
