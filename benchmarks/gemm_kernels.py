@@ -16,10 +16,7 @@ measured in the same run by a large device-to-device copy.
 
 Output: a table on stdout and a JSON file (`--out`) with `rows`, `ratios` keyed
 `gemm_torch_over_plugin/<shape>/m<M>` (torch time / our time, > 1 means ours is faster) and
-`pct_hbm` per row. Each row also times our kernel with the split-K reduction fused into its
-launch (`fused_us`, counters passed; split shapes only) and, for the down projections, the MLP
-tail a decode step runs: vLLM's SiLU-and-mul then cuBLAS (`silu_torch_us`) vs our one launch
-with the activation on load (`silu_fused_us`). With `--sweep`, every tried config per (shape, M), the best per (shape, M)
+`pct_hbm` per row; with `--sweep`, every tried config per (shape, M), the best per (shape, M)
 and the best per shape (least total time over `--sweep-ms`: the config must not depend on M, or
 a row's bits would move with the batch size). Exit status 1 if any shape disagrees numerically,
 2 without CUDA.
@@ -178,15 +175,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks.attn_kernels import _time_graph, device_header
-    from vllm_moe_graphs.ops import (
-        SmallMGemmConfig,
-        small_m_counters_numel,
-        small_m_linear,
-        small_m_workspace_numel,
-    )
+    from vllm_moe_graphs.ops import SmallMGemmConfig, small_m_linear, small_m_workspace_numel
     from vllm_moe_graphs.ops import small_m_gemm as smg
-
-    silu_and_mul = _silu_and_mul_op(torch)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     num_sms, l2_bytes, bandwidth = device_header(torch, args.copy_gib)
@@ -219,11 +209,9 @@ def run(args: argparse.Namespace) -> int:
             key = f"{name}/m{m}"
             case = Case(torch, n, k, m, dtype, copies, args.bias, args.seed)
 
-            def ours_fns(c, counters=None, x=None, act=None, *, case=case):
-                x = case.x if x is None else x
-                return [lambda w=w: small_m_linear(x, w, case.bias, out=case.out,
-                                                   workspace=workspace, counters=counters,
-                                                   config=c, act=act)
+            def ours_fns(c, case=case):
+                return [lambda w=w: small_m_linear(case.x, w, case.bias, out=case.out,
+                                                   workspace=workspace, config=c)
                         for w in case.weights]
 
             torch_fns = [lambda w=w: linear(case.x, w, case.bias) for w in case.weights]
@@ -240,25 +228,13 @@ def run(args: argparse.Namespace) -> int:
 
             torch_us = _time_graph(torch, torch_fns, *timing)
             ours_us = _time_graph(torch, ours_fns(cfg), *timing)
-            extra = {}
-            counters = torch.zeros(max(1, small_m_counters_numel(n, cfg)), dtype=torch.int32,
-                                   device=DEVICE)
-            if cfg.num_splits > 1:
-                extra["fused_us"] = _time_graph(torch, ours_fns(cfg, counters), *timing)
-            if name.endswith("/down"):
-                gate_up = torch.randn(m, 2 * k, device=DEVICE).to(dtype)
-                extra["silu_torch_us"] = _time_graph(
-                    torch, [lambda w=w: linear(silu_and_mul(gate_up), w, case.bias)
-                            for w in case.weights], *timing)
-                extra["silu_fused_us"] = _time_graph(
-                    torch, ours_fns(cfg, counters, gate_up, "silu_and_mul"), *timing)
             floor_us = case.io_bytes() / bandwidth * 1e6
             row = dict(shape=name, n=n, k=k, m=m, dtype=args.dtype, bias=args.bias,
                        **asdict(cfg), plugin_us=ours_us, torch_us=torch_us,
                        ratio=torch_us / ours_us, hbm_floor_us=floor_us,
                        pct_hbm=100 * floor_us / ours_us, torch_pct_hbm=100 * floor_us / torch_us,
                        weight_copies=copies, graph_launches=timing[0], max_abs_diff=diff,
-                       agree=agree, **extra)
+                       agree=agree)
             rows.append(row)
             ratios[f"gemm_torch_over_plugin/{key}"] = row["ratio"]
             pct_hbm[key] = row["pct_hbm"]
@@ -266,11 +242,7 @@ def run(args: argparse.Namespace) -> int:
                   f"splits {cfg.num_splits:>2}  ours {ours_us:8.2f} us  torch {torch_us:8.2f} us"
                   f"  ratio {row['ratio']:5.2f}  hbm {row['pct_hbm']:5.1f}% "
                   f"(torch {row['torch_pct_hbm']:5.1f}%)  diff {diff:.1e}"
-                  f"{'' if agree else '  MISMATCH'}"
-                  + (f"  fused-reduce {extra['fused_us']:7.2f} us" if "fused_us" in extra else "")
-                  + (f"  silu+gemm: torch {extra['silu_torch_us']:7.2f} us, ours fused "
-                     f"{extra['silu_fused_us']:7.2f} us" if "silu_fused_us" in extra else ""),
-                  flush=True)
+                  f"{'' if agree else '  MISMATCH'}", flush=True)
 
             if args.sweep and m in args.sweep_ms:
                 trials = []
@@ -315,28 +287,6 @@ def run(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     print(f"# wrote {args.out}")
     return 1 if failures else 0
-
-
-def _silu_and_mul_op(torch):
-    """vLLM's SiLU-and-mul CUDA op when this environment has vLLM (what a stock decode step
-    runs), else torch's two-op equivalent."""
-    try:
-        import vllm._custom_ops  # noqa: F401  (loads vllm._C)
-
-        op = torch.ops._C.silu_and_mul
-
-        def vllm_op(g):
-            out = torch.empty(g.shape[0], g.shape[1] // 2, device=g.device, dtype=g.dtype)
-            op(out, g)
-            return out
-
-        return vllm_op
-    except (ImportError, AttributeError, RuntimeError):
-        def torch_op(g):
-            h = g.shape[1] // 2
-            return torch.nn.functional.silu(g[:, :h]) * g[:, h:]
-
-        return torch_op
 
 
 def main(argv: list[str] | None = None) -> int:

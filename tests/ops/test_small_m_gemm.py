@@ -14,7 +14,6 @@ import torch
 from vllm_moe_graphs.ops import (
     SmallMGemmConfig,
     choose_small_m_config,
-    small_m_counters_numel,
     small_m_linear,
     small_m_workspace_numel,
 )
@@ -141,68 +140,7 @@ def test_default_config_and_allocated_out(device):
     assert empty.shape == (0, 40)
 
 
-def _counters(n, cfg, device):
-    return torch.zeros(max(1, small_m_counters_numel(n, cfg)), dtype=torch.int32, device=device)
-
-
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
-@pytest.mark.parametrize("bias", [True, False])
-def test_fused_reduce_is_bitwise_the_two_kernel_path(num_splits, bias, device):
-    # The last split of each N tile sums in the reduce kernel's order: same bits, and the
-    # shared counters are zero again after every call (so the next call, any layer, starts clean).
-    n, k = 48, 200
-    cfg = SmallMGemmConfig(block_n=16, block_k=32, num_splits=num_splits)
-    counters = _counters(n, cfg, device)
-    for m in (1, 5, 16):
-        x, w, b = _make(m, n, k, device, seed=m, bias=bias)
-        two = _run(x, w, b, cfg, device)
-        ws = _workspace(n, cfg, device)
-        out = poisoned(torch.empty(m, n, device=device))
-        small_m_linear(x, w, b, out=out, workspace=ws, counters=counters, config=cfg)
-        assert torch.equal(out, two), f"m={m}: fused reduce moved bits"
-        assert int(counters.abs().sum()) == 0, counters.tolist()
-
-
-def _silu_and_mul_ref(g):
-    """vLLM's silu_and_mul rounding: silu(gate) rounded to the dtype, then times up, rounded."""
-    h = g.shape[1] // 2
-    gate, up = g[:, :h].float(), g[:, h:].float()
-    return ((gate / (1 + torch.exp(-gate))).to(g.dtype).float() * up).to(g.dtype)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_silu_and_mul_on_load(num_splits, device):
-    n, k = 48, 200
-    cfg = SmallMGemmConfig(block_n=16, block_k=32, num_splits=num_splits)
-    x, w, b = _make(5, n, 2 * k, device)
-    w = w[:, :k].contiguous()
-    x_buf = torch.full((16, 2 * k), float("nan"), device=device)
-    x_buf[:5] = x  # rows past M are stale: never read into the real rows
-    out = small_m_linear(x_buf[:5], w, b, workspace=_workspace(n, cfg, device),
-                         counters=_counters(n, cfg, device), config=cfg, act="silu_and_mul")
-    assert_close_to_ref(out, _ref(_silu_and_mul_ref(x), w, b), ATOL, RTOL)
-    # a row's bits do not depend on M with the activation either
-    one = small_m_linear(x[2:3], w, b, workspace=_workspace(n, cfg, device), config=cfg,
-                         act="silu_and_mul")
-    assert torch.equal(one[0], out[2])
-
-
 class TestErrors:
-    def test_act_and_counters(self, device):
-        x, w, _ = _make(2, 40, 72, device)
-        with pytest.raises(ValueError, match="act must be one of"):
-            small_m_linear(x, w, act="gelu")
-        with pytest.raises(ValueError, match=r"needs x \[M, 2K\]"):
-            small_m_linear(x, w, act="silu_and_mul")
-        cfg = SmallMGemmConfig(block_n=16, block_k=32, num_splits=2)
-        ws = _workspace(40, cfg, device)
-        with pytest.raises(ValueError, match="contiguous int32 tensor of >= 3 elements"):
-            small_m_linear(x, w, workspace=ws, counters=torch.zeros(2, dtype=torch.int32,
-                                                                    device=device), config=cfg)
-        with pytest.raises(ValueError, match="int32"):
-            small_m_linear(x, w, workspace=ws, counters=torch.zeros(3, device=device),
-                           config=cfg)
-
     def test_m_above_max_points_to_torch(self, device):
         x, w, _ = _make(17, 40, 72, device)
         with pytest.raises(ValueError, match="M=17.*torch.nn.functional.linear"):
@@ -291,11 +229,6 @@ class TestChooseConfig:
         assert choose_small_m_config(1, 24576, 4096, 132).num_splits == 1
         assert choose_small_m_config(1, 1024, 3072, 132).num_splits > 4
 
-    def test_counters_numel(self):
-        assert small_m_counters_numel(1024, SmallMGemmConfig(num_splits=4)) == 16
-        assert small_m_counters_numel(1000, SmallMGemmConfig(num_splits=4)) == 16
-        assert small_m_counters_numel(1024, SmallMGemmConfig()) == 0
-
     def test_workspace_numel(self):
         cfg = SmallMGemmConfig(num_splits=4)
         assert small_m_workspace_numel(16, 1024, cfg) == 4 * 16 * 1024
@@ -371,72 +304,3 @@ def test_gpu_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, small_m_linear(x, w, b, workspace=ws, config=cfg))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", QWEN3_SHAPES)
-def test_gpu_fused_reduce_bitwise_and_counters_zero(n, k):
-    # Real concurrency: many programs race for each tile's counter; the winner must see every
-    # partial (a missing release/acquire shows up as wrong sums), and the result must be the
-    # two-kernel path's bits, call after call.
-    x, w, b = _make(16, n, k, "cuda", seed=n * k, dtype=torch.bfloat16)
-    cfg = choose_small_m_config(16, n, k, smg.device_num_sms(x.device))
-    if cfg.num_splits == 1:
-        pytest.skip(f"{n}x{k} does not split K")
-    ws = torch.empty(small_m_workspace_numel(16, n, cfg), device="cuda")
-    counters = torch.zeros(small_m_counters_numel(n, cfg), dtype=torch.int32, device="cuda")
-    for m in (1, 7, 16):
-        two = small_m_linear(x[:m], w, b, workspace=ws, config=cfg)
-        for _ in range(20):
-            ws.fill_(float("nan"))
-            fused = small_m_linear(x[:m], w, b, workspace=ws, counters=counters, config=cfg)
-            assert torch.equal(fused, two), f"{n}x{k} m={m}"
-    torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 12288)])  # 0.6B / 8B down_proj
-def test_gpu_silu_and_mul_fused_matches_vllm_rounding(n, k):
-    g, w, _ = _make(16, n, 2 * k, "cuda", seed=k, dtype=torch.bfloat16)
-    w = w[:, :k].contiguous()
-    cfg = choose_small_m_config(16, n, k, smg.device_num_sms(g.device))
-    ws = torch.empty(max(1, small_m_workspace_numel(16, n, cfg)), device="cuda")
-    counters = torch.zeros(max(1, small_m_counters_numel(n, cfg)), dtype=torch.int32,
-                           device="cuda")
-    act = _silu_and_mul_ref(g)
-    unfused = small_m_linear(act, w, workspace=ws, counters=counters, config=cfg)
-    fused = small_m_linear(g, w, workspace=ws, counters=counters, config=cfg,
-                           act="silu_and_mul")
-    # the activation may differ in the last bit (exp), the GEMM is the same
-    tol = GPU_TOL[torch.bfloat16]
-    assert_close_to_ref(fused, unfused.float(), tol, tol, f"{n}x{k}")
-    for m in (1, 5):
-        assert torch.equal(small_m_linear(g[:m], w, workspace=ws, counters=counters,
-                                          config=cfg, act="silu_and_mul"), fused[:m])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_cuda_graph_replay_fused_reduce():
-    n, k = 1024, 3072
-    x, w, b = _make(8, n, 2 * k, "cuda", dtype=torch.bfloat16)
-    w = w[:, :k].contiguous()
-    cfg = choose_small_m_config(8, n, k, smg.device_num_sms(x.device))
-    ws = torch.empty(small_m_workspace_numel(16, n, cfg), device="cuda")
-    counters = torch.zeros(small_m_counters_numel(n, cfg), dtype=torch.int32, device="cuda")
-    out = torch.empty(8, n, device="cuda", dtype=torch.bfloat16)
-    kw = dict(workspace=ws, counters=counters, config=cfg, act="silu_and_mul")
-    small_m_linear(x, w, b, out=out, **kw)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        small_m_linear(x, w, b, out=out, **kw)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, small_m_linear(x, w, b, **kw))
-    assert int(counters.abs().sum()) == 0

@@ -16,13 +16,8 @@ busy where cuBLAS launches too few output tiles: 0.6B o_proj 5.1 vs 12.6 us at M
 
 Eager and replayed decode steps use the same
 kernel, so graphs vs kill switch stay token-identical, and a row's result does not depend on the
-batch it came with. The split-K workspace and the int32 counters that let the last split of a
-tile reduce inside the same launch are persistent buffers shared by every layer (kernels of one
-stream run one after the other), allocated here, before any capture.
-
-Qwen3's dense MLP (`Qwen2MLP`, tensor parallel size 1) whose down_proj takes the kernel also
-gets `fused_mlp_forward`: at <= MAX_M rows the SiLU-and-mul runs inside down_proj's GEMM (one
-launch less per layer, vLLM's rounding); larger inputs run vLLM's own forward.
+batch it came with. The split-K workspace is one persistent buffer shared by every layer
+(kernels of one stream run one after the other), allocated here, before any capture.
 
 Layers reachable (with `true`; "auto" picks among them): Qwen3's qkv_proj, o_proj,
 gate_up_proj, down_proj and Qwen3-MoE's attention projections and router gate; not the MoE
@@ -33,7 +28,6 @@ floor in cuBLAS).
 from __future__ import annotations
 
 import logging
-import types
 from typing import Any
 
 import torch
@@ -44,7 +38,6 @@ from vllm_moe_graphs.ops.small_m_gemm import (
     SmallMGemmConfig,
     choose_small_m_config,
     device_num_sms,
-    small_m_counters_numel,
     small_m_linear,
     small_m_workspace_numel,
 )
@@ -61,27 +54,21 @@ class SmallMLinearMethod(UnquantizedLinearMethod):
     no state of vLLM's (the base class has none) beyond what is set here.
     """
 
-    def __init__(self, config: SmallMGemmConfig, workspace: torch.Tensor | None,
-                 counters: torch.Tensor | None = None) -> None:
+    def __init__(self, config: SmallMGemmConfig, workspace: torch.Tensor | None) -> None:
         super().__init__()
         self.small_m_config = config
         self.workspace = workspace
-        self.counters = counters  # int32 zeros: split-K reduced in the same launch
         self.small_m_calls = 0  # host counter (tests); never read on the device
 
-    @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        """Whether an input goes to the kernel: shapes only (graph safe). A captured decode
-        step (M = its bucket) always does, a prefill never does."""
-        return x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1
-
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-        if act is None and not self.takes(x):
-            return super().apply(layer, x, bias)
-        self.small_m_calls += 1
-        return small_m_linear(x, layer.weight, bias, workspace=self.workspace,
-                              counters=self.counters, config=self.small_m_config, act=act)
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE: graph safety. The branch reads shapes only: a captured decode step (M = its
+        # bucket) always takes the kernel path, a prefill never does.
+        if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1:
+            self.small_m_calls += 1
+            return small_m_linear(x, layer.weight, bias, workspace=self.workspace,
+                                  config=self.small_m_config)
+        return super().apply(layer, x, bias)
 
 
 def _eligible(module: Any) -> bool:
@@ -116,64 +103,14 @@ def install_small_m_gemm(model: torch.nn.Module,
                for name, m in layers.items()}
     need = max(small_m_workspace_numel(MAX_M, m.weight.shape[0], configs[name])
                for name, m in layers.items())
-    tiles = max(small_m_counters_numel(m.weight.shape[0], configs[name])
-                for name, m in layers.items())
     first = next(iter(layers.values())).weight
     workspace = torch.empty(need, dtype=torch.float32, device=first.device) if need else None
-    counters = torch.zeros(tiles, dtype=torch.int32, device=first.device) if tiles else None
     methods = {}
     for name, module in layers.items():
-        method = SmallMLinearMethod(configs[name], workspace, counters)
+        method = SmallMLinearMethod(configs[name], workspace)
         module.quant_method = method
         methods[name] = method
-    fused = install_fused_mlp(model)
     logger.info("moe_graphs: small-M GEMM on %d linear layers (%s; <= %d rows; workspace "
-                "%.1f MiB), SiLU-and-mul fused into down_proj in %d MLPs", len(methods),
-                "auto" if which == "auto" else "all eligible", MAX_M, need * 4 / 2**20,
-                sum(v == "fused" for v in fused.values()))
+                "%.1f MiB)", len(methods), "auto" if which == "auto" else "all eligible", MAX_M,
+                need * 4 / 2**20)
     return methods
-
-
-def fused_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """`Qwen2MLP.forward` (vLLM 0.26, Qwen3's dense MLP) with the SiLU-and-mul inside down_proj's
-    small-M GEMM at decode sizes; vLLM's own three steps otherwise."""
-    gate_up, _ = self.gate_up_proj(x)
-    method = self.down_proj.quant_method
-    if method.takes(gate_up):
-        return method.apply(self.down_proj, gate_up, None, act="silu_and_mul")
-    out, _ = self.down_proj(self.act_fn(gate_up))
-    return out
-
-
-def mlp_refusal(module: Any) -> str | None:
-    """Why an exactly-typed Qwen2MLP cannot take `fused_mlp_forward`; None if it can."""
-    from vllm.model_executor.layers.activation import SiluAndMul
-
-    down = module.down_proj
-    if not isinstance(down.quant_method, SmallMLinearMethod):
-        return "down_proj is not on the small-M GEMM"
-    if type(module.act_fn) is not SiluAndMul:
-        return f"activation {type(module.act_fn).__name__} (only SiluAndMul)"
-    if getattr(down, "tp_size", 1) != 1:
-        return f"tensor parallel size {down.tp_size} (down_proj would need its all-reduce)"
-    if getattr(down, "bias", None) is not None:
-        return "down_proj has a bias"
-    if module.gate_up_proj.weight.shape[0] != 2 * down.weight.shape[1]:
-        return (f"gate_up_proj {tuple(module.gate_up_proj.weight.shape)} is not [2K, ...] for "
-                f"down_proj {tuple(down.weight.shape)}")
-    return None
-
-
-def install_fused_mlp(model: torch.nn.Module) -> dict[str, str]:
-    """Give every eligible Qwen3 dense MLP of `model` `fused_mlp_forward` (an instance
-    attribute; the class is untouched). Returns module name -> "fused" or why not."""
-    from vllm.model_executor.models.qwen2 import Qwen2MLP
-
-    out = {}
-    for name, module in model.named_modules():
-        if type(module) is Qwen2MLP:
-            why = mlp_refusal(module)
-            if why is None:
-                module.forward = types.MethodType(fused_mlp_forward, module)
-            out[name] = why or "fused"
-    return out

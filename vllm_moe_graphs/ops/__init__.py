@@ -27,7 +27,6 @@ from vllm_moe_graphs.ops.small_m_gemm import (
     SmallMGemmConfig,
     choose_small_m_config,
     small_m_linear,
-    small_m_counters_numel,
     small_m_workspace_numel,
 )
 
@@ -45,7 +44,6 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "small_m_linear",
-    "small_m_counters_numel",
     "small_m_workspace_numel",
     "split_kv_cache",
     "write_kv",

@@ -13,22 +13,13 @@ N x K weight at HBM speed, and the tensor cores have nothing to do. Design, per 
   [BLOCK_N, BLOCK_K] weight tile (optionally transposed, `swap_ab`: weight as the A operand);
   a row's result therefore never depends on how many other rows came with it;
 - split-K: K is cut into `num_splits` chunks of whole BLOCK_K tiles; each split writes an fp32
-  partial tile to the workspace, and the splits are summed in the fixed order 0, 1, ..., S - 1,
-  the bias added, the sum cast and stored: either by `_small_m_reduce_kernel` (a second launch),
-  or, when the caller passes `counters`, inside the GEMM launch by the last split to finish an
-  N tile (`fused reduce`: each split bumps the tile's int32 counter with an acq_rel atomic after
-  storing its partial; the one that sees S - 1 sums and resets the counter to 0 for the next
-  call). Same order, same arithmetic: both paths are bitwise equal and deterministic (the
-  atomic decides *who* sums, never the order);
-- optional `act="silu_and_mul"` (Qwen3's MLP): x is the gate_up output [M, 2K] and the kernel
-  computes its A tile as silu(x[:, :K]) * x[:, K:] on load, rounding like vLLM's `silu_and_mul`
-  (silu rounded to x's dtype, then the product), so the activation needs no launch of its own;
+  partial tile to the workspace and `_small_m_reduce_kernel` sums the splits in the fixed order
+  0, 1, ..., S - 1, adds the bias, casts and stores. No atomics: results are deterministic;
 - the config (BLOCK_K, splits) is chosen from (N, K, num_sms) only, never from M, so the K
   reduction order of an output element is the same for every M: row i of an M = 1 call and of
   an M = 16 call are bitwise equal (CUDA graph buckets pad M differently; results do not move).
 Graph safety: the launcher reads only shapes, strides, dtypes and host constants; no host sync;
-the only allocation is `out` when the caller passes none; workspace and counters are the
-caller's (counters zeroed once at allocation; every call leaves them zero again).
+the only allocation is `out` when the caller passes none; the workspace is the caller's.
 """
 
 from __future__ import annotations
@@ -125,13 +116,6 @@ def choose_small_m_config(m: int, n: int, k: int, num_sms: int) -> SmallMGemmCon
     return SmallMGemmConfig(block_n=block_n, block_k=block_k, num_splits=splits)
 
 
-def small_m_counters_numel(n: int, config: SmallMGemmConfig) -> int:
-    """int32 counters (one per N tile) that a split-K call with this N and config needs to fuse
-    its reduction into one launch (0 without split-K). Allocate once with torch.zeros, outside
-    graph capture; calls run on one stream may share them (each call leaves them zero)."""
-    return 0 if config.num_splits == 1 else math.ceil(n / config.block_n)
-
-
 def small_m_workspace_numel(max_m: int, n: int, config: SmallMGemmConfig) -> int:
     """float32 elements of workspace that every call with M <= max_m and this N and config
     needs (0 without split-K). Allocate once, outside graph capture, for the largest (M, N)."""
@@ -149,8 +133,7 @@ def _small_m_gemm_kernel(
     workspace_ptr,  # [S, M, N] float32 (flat), written when SPLIT
     x_ptr,  # [M, K]
     weight_ptr,  # [N, K]
-    bias_ptr,  # [N], read when HAS_BIAS
-    counters_ptr,  # [N tiles] int32, zero between calls, used when FUSED_REDUCE
+    bias_ptr,  # [N], read when HAS_BIAS and not SPLIT
     M,
     N,
     K,
@@ -167,8 +150,6 @@ def _small_m_gemm_kernel(
     SPLIT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" (ignored) for 16-bit
-    FUSED_REDUCE: tl.constexpr,  # SPLIT and the last split of an N tile sums (no 2nd launch)
-    SILU_AND_MUL: tl.constexpr,  # x is [M, 2K]: A = silu(x[:, :K]) * x[:, K:]
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -198,12 +179,6 @@ def _small_m_gemm_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
         xt = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        if SILU_AND_MUL:
-            # vLLM's silu_and_mul: silu(g) rounded to the input dtype, then g' * up rounded
-            up = tl.load(x_rows + K + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            g = xt.to(tl.float32)
-            g = (g / (1.0 + tl.exp(-g))).to(xt.dtype).to(tl.float32)
-            xt = (g * up).to(xt.dtype)
         wt = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         if SWAP_AB:
             acc = tl.dot(wt, tl.trans(xt), acc, input_precision=DOT_PRECISION)
@@ -216,26 +191,6 @@ def _small_m_gemm_kernel(
     if SPLIT:
         ws = workspace_ptr + split * stride_ws_s + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mn_mask)
-        if FUSED_REDUCE:
-            # Every thread's partial is stored before one thread releases the count (CTA
-            # barrier, then an acq_rel atomic at GPU scope); the program that sees S - 1 is the
-            # last of its N tile and its loads (L2, .cg) see every split's partial.
-            tl.debug_barrier()
-            done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            num_splits = tl.num_programs(1)
-            if done == num_splits - 1:
-                part = workspace_ptr + offs_m[:, None] * N + offs_n[None, :]
-                total = tl.load(part, mask=mn_mask, other=0.0, cache_modifier=".cg")
-                # Fixed order 0, 1, ..., S - 1, as in _small_m_reduce_kernel: bitwise equal.
-                for s in range(1, num_splits):
-                    total += tl.load(part + s * stride_ws_s, mask=mn_mask, other=0.0,
-                                     cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=n_mask,
-                                     other=0.0).to(tl.float32)[None, :]
-                o = out_ptr + offs_m[:, None] * stride_o_m + offs_n[None, :]
-                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mn_mask)
-                tl.atomic_xchg(counters_ptr + pid_n, 0)  # ready for the next call
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -272,9 +227,6 @@ def _small_m_reduce_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-ACTIVATIONS = (None, "silu_and_mul")
-
-
 def small_m_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -282,38 +234,27 @@ def small_m_linear(
     *,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
     config: SmallMGemmConfig | None = None,
-    act: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> out [M, N] in x's dtype, fp32 accumulation.
 
     M <= MAX_M; x needs a unit K stride (any row stride); weight a unit K stride; out (optional,
-    allocated when None) a unit N stride. `act="silu_and_mul"`: x is [M, 2K] and the product
-    uses silu(x[:, :K]) * x[:, K:] in its place (vLLM's rounding). `config` defaults to
-    `choose_small_m_config(M, N, K, SMs of x's device)`; a config with num_splits > 1 (that
-    actually splits K) needs a float32 `workspace` of >= `small_m_workspace_numel(M, N,
-    config)` elements, and then `counters` (int32, >= `small_m_counters_numel(N, config)`
-    elements, zeroed once; every call leaves them zero) fuses the split reduction into the one
-    launch; without counters a second kernel reduces. Deterministic, bitwise equal either way;
-    a row's bits do not depend on M. Graph safe: shapes only, no host sync; grid (N tiles, S)
-    [+ (N / 256, M)]. Returns out.
+    allocated when None) a unit N stride. `config` defaults to `choose_small_m_config(M, N, K,
+    SMs of x's device)`; a config with num_splits > 1 (that actually splits K) needs a float32
+    `workspace` of >= `small_m_workspace_numel(M, N, config)` elements. Deterministic; a row's
+    bits do not depend on M. Graph safe: shapes only, no host sync; grid (N tiles, S) [+ (N / 256,
+    M)]. Returns out.
     """
     # NOTE: graph safety. Everything below reads shapes, strides, dtypes and host constants
-    # only: no `.item()`, no device reads. Pass `out`, `workspace` and `counters` allocated
-    # before capture to keep the launch allocation-free (out=None allocates through torch's
-    # caching allocator, which inside a capture lands in the graph's private pool).
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
-    m, n, k = _check_inputs(x, weight, bias, out, gated=act == "silu_and_mul")
+    # only: no `.item()`, no device reads. Pass `out` and `workspace` allocated before capture
+    # to keep the launch allocation-free (out=None allocates through torch's caching allocator,
+    # which inside a capture lands in the graph's private pool).
+    m, n, k = _check_inputs(x, weight, bias, out)
     cfg = config or choose_small_m_config(max(m, 1), n, k, device_num_sms(x.device))
     splits, k_per_split = split_k_plan(k, cfg.block_k, cfg.num_splits)
     split = splits > 1
-    fused_reduce = split and counters is not None
     if split:
         _check_workspace(workspace, m, n, cfg, x.device)
-    if fused_reduce:
-        _check_counters(counters, n, cfg, x.device)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -327,7 +268,6 @@ def small_m_linear(
         x,
         weight,
         bias if has_bias else out,  # placeholder pointer without bias (never read)
-        counters if fused_reduce else out,  # placeholder pointer (never touched)
         m,
         n,
         k,
@@ -344,12 +284,10 @@ def small_m_linear(
         SPLIT=split,
         SWAP_AB=cfg.swap_ab,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        FUSED_REDUCE=fused_reduce,
-        SILU_AND_MUL=act == "silu_and_mul",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split and not fused_reduce:
+    if split:
         _small_m_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
             out,
             workspace,
@@ -374,11 +312,7 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def _check_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor | None,
-    gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
 ) -> tuple[int, int, int]:
     if x.dim() != 2:
         raise ValueError(
@@ -388,13 +322,6 @@ def _check_inputs(
         raise ValueError(f"weight must be 2-D [N, K] (nn.Linear layout), got {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    if gated:
-        if k % 2 or weight.shape[1] * 2 != k:
-            raise ValueError(
-                f"act='silu_and_mul' needs x [M, 2K] (gate then up) for weight [N, K], got x "
-                f"{tuple(x.shape)} and weight {tuple(weight.shape)}"
-            )
-        k //= 2
     if m > MAX_M:
         raise ValueError(
             f"x has M={m} rows but small_m_linear handles M <= {MAX_M} (decode batches): use "
@@ -440,20 +367,6 @@ def _check_inputs(
         tensors["out"] = out
     check_same_device(**tensors)
     return m, n, k
-
-
-def _check_counters(
-    counters: torch.Tensor, n: int, cfg: SmallMGemmConfig, device: torch.device
-) -> None:
-    need = small_m_counters_numel(n, cfg)
-    if counters.dtype != torch.int32 or not counters.is_contiguous() or counters.numel() < need:
-        raise ValueError(
-            f"counters must be a contiguous int32 tensor of >= {need} elements "
-            f"(small_m_counters_numel({n}, config)), allocated once with torch.zeros, got "
-            f"{counters.dtype} shape {tuple(counters.shape)}"
-        )
-    if counters.device != device:
-        raise ValueError(f"counters are on {counters.device}, x on {device}")
 
 
 def _check_workspace(
