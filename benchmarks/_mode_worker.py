@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.protocol import (
+    DONE,
+    READY,
     SLACK_STEPS,
     WorkerResult,
     WorkerSpec,
@@ -236,7 +238,10 @@ def run(
     def make_prompt(ids: list[int]) -> Any:
         return TokensPrompt(prompt_token_ids=ids)
 
-    measure_points(llm, spec, result, save, make_params, make_prompt)
+    if spec.interleaved:
+        serve_commands(llm, spec, result, save, make_params, make_prompt)
+    else:
+        measure_points(llm, spec, result, save, make_params, make_prompt)
     if os.environ.get("BENCH_PROFILE_DIR") and on_gpu:
         from benchmarks.profile_steps import profile_run
 
@@ -326,38 +331,97 @@ def measure_points(
                 skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
                 continue
             t0 = time.perf_counter()
-            tag = f"r{rep}b{batch}c{context}"
-            try:
-                steps, prefill_s = run_point(
-                    llm, spec, batch, context, tag, rng, result.resolved, make_params, make_prompt
-                )
-            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-                point.error = format_error(exc)
+            ok = measure_one(llm, spec, result, save, make_params, make_prompt, rng, batch,
+                             context, rep, f"r{rep}b{batch}c{context}")
+            if not ok:
                 failures_in_row += 1
-                where = f"{spec.model} {spec.mode} b={batch} c={context}"
-                say(f"{where}: FAILED {type(exc).__name__}: {exc}")
-                save()
                 if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
                     raise RuntimeError(
                         f"{failures_in_row} points failed in a row; giving up on mode {spec.mode}"
-                    ) from exc
+                    )
                 continue
             failures_in_row = 0
             durations[(batch, context)] = time.perf_counter() - t0
-            point.step_ms += [round(s, 4) for s in steps]
-            point.repeat_p50_ms.append(round(statistics.median(steps), 4))
-            point.prefill_s.append(round(prefill_s, 3))
-            point.repeats_done += 1
-            save()
-            say(
-                f"{spec.model} {spec.mode} rep {rep + 1}/{spec.repeats} b={batch} c={context}: "
-                f"p50 {statistics.median(steps):.3f} ms over {len(steps)} steps, prefill "
-                f"{prefill_s:.2f} s, point {durations[(batch, context)]:.1f} s"
-            )
     result.skipped = [
         {"batch": b, "context": c, "repeats_skipped": n, "reason": "time budget"}
         for (b, c), n in sorted(skipped.items())
     ]
+
+
+def measure_one(
+    llm: Any,
+    spec: WorkerSpec,
+    result: WorkerResult,
+    save: Callable[[], None],
+    make_params: Callable[[int], Any],
+    make_prompt: Callable[[list[int]], Any],
+    rng: random.Random,
+    batch: int,
+    context: int,
+    rep: int,
+    tag: str,
+    record: bool = True,
+) -> bool:
+    """One repeat of one point: recorded in `result` (unless `record` is False: a warm-up) and
+    saved. False when it failed (the error is recorded on the point)."""
+    point = result.point(batch, context)
+    t0 = time.perf_counter()
+    try:
+        steps, prefill_s = run_point(
+            llm, spec, batch, context, tag, rng, result.resolved, make_params, make_prompt
+        )
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        point.error = format_error(exc)
+        say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
+        save()
+        return False
+    p50 = statistics.median(steps)
+    if record:
+        point.step_ms += [round(s, 4) for s in steps]
+        point.repeat_p50_ms.append(round(p50, 4))
+        point.prefill_s.append(round(prefill_s, 3))
+        point.repeats_done += 1
+        save()
+    what = f"rep {rep + 1}/{spec.repeats}" if record else "warm-up"
+    say(
+        f"{spec.model} {spec.mode} {what} b={batch} c={context}: p50 {p50:.3f} ms over "
+        f"{len(steps)} steps, prefill {prefill_s:.2f} s, point {time.perf_counter() - t0:.1f} s"
+    )
+    return True
+
+
+def serve_commands(
+    llm: Any,
+    spec: WorkerSpec,
+    result: WorkerResult,
+    save: Callable[[], None],
+    make_params: Callable[[int], Any],
+    make_prompt: Callable[[list[int]], Any],
+    commands: Any = None,
+) -> None:
+    """Interleaved runs (`benchmarks.decode --interleave`): the parent keeps every mode's engine
+    up and sends one line per repeat of a point, mode after mode, so that every mode samples the
+    host at the same moments. Commands: `point BATCH CONTEXT REP` (REP -1: a warm-up, not
+    recorded) and `quit`; each gets a DONE line back. Ends at `quit` or end of input."""
+    commands = sys.stdin if commands is None else commands
+    rng = random.Random(spec.seed)
+    print(READY, flush=True)
+    for line in commands:
+        words = line.split()
+        if not words:
+            continue
+        if words == ["quit"]:
+            break
+        try:
+            if words[0] != "point" or len(words) != 4:
+                raise ValueError(f"unknown command {line.strip()!r}")
+            batch, context, rep = (int(w) for w in words[1:])
+        except ValueError as exc:
+            print(f"{DONE} error {exc}", flush=True)
+            continue
+        ok = measure_one(llm, spec, result, save, make_params, make_prompt, rng, batch, context,
+                         max(rep, 0), f"i{rep}b{batch}c{context}", record=rep >= 0)
+        print(f"{DONE} {'ok' if ok else 'error'}", flush=True)
 
 
 def _fmt(value: float | None) -> str:

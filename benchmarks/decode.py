@@ -109,6 +109,13 @@ def run_parser() -> argparse.ArgumentParser:
         "at several moments (default: 1)",
     )
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every mode's engine up at once (a fixed KV cache each) and measure point "
+        "by point with the modes taking turns, after one untimed warm-up pass: host speed "
+        "shifts then hit every mode alike (one model at a time; not with --rounds)",
+    )
+    ap.add_argument(
         "--decode-tokens",
         type=int,
         default=128,
@@ -204,6 +211,11 @@ def validate_args(args: argparse.Namespace) -> None:
                         ("--decode-tokens", args.decode_tokens)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.interleave and args.rounds > 1:
+        raise ValueError(
+            f"--interleave and --rounds {args.rounds} do not combine: interleaving already "
+            "spreads every mode over the whole run; drop one of them"
+        )
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -256,7 +268,18 @@ def run(args: argparse.Namespace) -> int:
     for mode, why in absent.items():
         print(f"  absent {mode}: {why}", flush=True)
     t_end = None if args.time_budget_s is None else t_start + args.time_budget_s - sweep.RESERVE_S
-    results, failures, skipped = sweep.execute(specs, work_dir, t_end, args.mode_timeout_s)
+    if args.interleave:
+        results, failures, skipped = [], [], []
+        models = list(dict.fromkeys(s.model for s in specs))
+        for i, model in enumerate(models):  # one model's engines at a time, budget split evenly
+            share = None if t_end is None else time.time() + (t_end - time.time()) / (
+                len(models) - i)
+            out = sweep.execute_interleaved([s for s in specs if s.model == model], work_dir,
+                                            share, args.mode_timeout_s)
+            for acc, part in zip((results, failures, skipped), out):
+                acc += part
+    else:
+        results, failures, skipped = sweep.execute(specs, work_dir, t_end, args.mode_timeout_s)
     bandwidths = [r.bandwidth_gbps for r in results if r.bandwidth_gbps]
     results = merge_rounds(results)
     bw = statistics.median(bandwidths) if bandwidths else None

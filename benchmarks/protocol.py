@@ -17,6 +17,10 @@ SCHEMA = "vllm_moe_graphs.decode_bench/1"
 # Extra decode tokens per request beyond warm-up + timed steps + the steps early requests decode
 # while later ones still prefill: covers the async-scheduling lag at both ends of a point.
 SLACK_STEPS = 8
+# Interleaved runs (`--interleave`): the worker prints READY once its engine is up, then reads
+# `point BATCH CONTEXT REP` / `quit` lines on stdin and answers each with `DONE ok|error ...`.
+READY = "[bench-ready]"
+DONE = "[bench-done]"
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,6 +41,7 @@ class WorkerSpec:
     seed: int
     result_path: str
     round: int = 0  # --rounds: which round of engine starts this worker belongs to (0-based)
+    interleaved: bool = False  # --interleave: measure what the parent sends on stdin
     # Absolute `time.time()` limits; None = unlimited.
     hard_deadline: float | None = None  # the whole run's end: no point starts after this
     first_pass_deadline: float | None = None  # repeat 1 starts no point after this ...

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import queue
 import shutil
 import signal
 import statistics
@@ -25,6 +26,8 @@ from typing import Any, TextIO
 
 from benchmarks.modes import MODES, Mode, common_llm_kwargs, parse_modes
 from benchmarks.protocol import (
+    DONE,
+    READY,
     SLACK_STEPS,
     WorkerResult,
     WorkerSpec,
@@ -65,6 +68,19 @@ def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: 
     return -(-need // 16) * 16
 
 
+INTERLEAVE_GPU_MEMORY_UTILIZATION = 0.05  # only vLLM's start-up check reads it then
+KV_HEADROOM = 1.25  # block rounding and the async-scheduling slack
+
+
+def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:
+    """KV cache bytes for `max_batch` sequences of `max_len` tokens, with headroom, rounded up
+    to 256 MiB."""
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+    need = per_token * max_batch * max_len * KV_HEADROOM
+    step = 256 * 2**20
+    return int(-(-need // step) * step)
+
+
 def plan(
     args: argparse.Namespace, work_dir: Path
 ) -> tuple[list[WorkerSpec], dict[str, str], dict[str, int], dict[str, ModelShape]]:
@@ -78,6 +94,7 @@ def plan(
         cfg = read_config(config_dir)
         shapes[model] = ModelShape.from_config(cfg)
         configs[model] = (config_dir, cfg)
+    interleave = getattr(args, "interleave", False)
     for rnd in range(args.rounds):
         # Odd rounds run the modes in reverse order, so that no mode always goes first (cold
         # machine) or last; every round starts fresh engines, so each mode samples the host at
@@ -91,6 +108,13 @@ def plan(
                 seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
             )
+            if interleave:
+                # Every mode's engine stays up at once: a fixed KV cache each, sized for the
+                # plan, instead of a share of the GPU (vLLM's profiling accounting assumes no
+                # other process on the GPU; with kv_cache_memory_bytes it is skipped).
+                common.update(gpu_memory_utilization=INTERLEAVE_GPU_MEMORY_UTILIZATION,
+                              kv_cache_memory_bytes=interleave_kv_bytes(
+                                  shapes[model], max(args.batches), mml))
             suffix = f"-r{rnd}" if rnd else ""
             for mode in runnable if rnd % 2 == 0 else runnable[::-1]:
                 specs.append(
@@ -109,17 +133,25 @@ def plan(
                         seed=args.seed,
                         result_path=str(work_dir / f"result-{model}-{mode.name}{suffix}.json"),
                         round=rnd,
+                        interleaved=interleave,
                     )
                 )
     return specs, absent, layers, shapes
 
 
-def _pump(stream: TextIO, log: TextIO) -> None:
+def _pump(stream: TextIO, log: TextIO, control: queue.Queue[str] | None = None) -> None:
     for line in stream:
         log.write(line)
         log.flush()
         if line.startswith("[bench]"):
             print("  " + line.rstrip(), flush=True)
+        elif control is not None and line.startswith((READY, DONE)):
+            control.put(line.rstrip())
+    if control is not None:
+        control.put(EXITED)
+
+
+EXITED = "[exited]"  # put by the pump when the worker's stdout ends
 
 
 def _stop_group(proc: subprocess.Popen[str]) -> None:
@@ -139,59 +171,96 @@ def _stop_group(proc: subprocess.Popen[str]) -> None:
             time.sleep(0.5)  # give the rest of the group its moment before SIGKILL
 
 
-def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float) -> tuple[WorkerResult, str | None]:
-    """Run one worker to completion or `limit_s`; returns its result and a run-level error."""
-    stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
-    spec_path, log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
-    write_json_atomic(spec_path, spec_to_json(spec))
-    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._mode_worker", str(spec_path)],
+class _Worker:
+    """One started mode worker: its process, log, output pump and (interleaved) control lines."""
+
+    module = "benchmarks._mode_worker"  # what `python -m` runs (tests put a stand-in here)
+
+    def __init__(self, spec: WorkerSpec, work_dir: Path, interactive: bool = False) -> None:
+        self.spec = spec
+        stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
+        spec_path, self.log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
+        write_json_atomic(spec_path, spec_to_json(spec))
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                            if p)
+        self.t0 = time.monotonic()
+        self.control: queue.Queue[str] | None = queue.Queue() if interactive else None
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, str(spec_path)],
             cwd=REPO_ROOT,
             env=env,
+            stdin=subprocess.PIPE if interactive else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
             start_new_session=True,  # its own process group: compile helpers die with it
         )
-        assert proc.stdout is not None, "Popen with stdout=PIPE has a stdout"
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
-        pump.start()
-        killed = False
+        assert self.proc.stdout is not None, "Popen with stdout=PIPE has a stdout"
+        self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log, self.control),
+                                     daemon=True)
+        self.pump.start()
+        self.killed = False
+        self.error: str | None = None  # a run-level error found while it ran
+
+    def wait_line(self, timeout_s: float) -> str | None:
+        """The next control line (READY / DONE ... / EXITED); None after `timeout_s`."""
+        assert self.control is not None, "not an interleaved worker"
         try:
-            proc.wait(timeout=max(1.0, limit_s))
+            return self.control.get(timeout=max(0.1, timeout_s))
+        except queue.Empty:
+            return None
+
+    def send(self, line: str) -> bool:
+        try:
+            assert self.proc.stdin is not None, "not an interleaved worker"
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def finish(self, timeout_s: float) -> tuple[WorkerResult, str | None]:
+        """Wait up to `timeout_s` for the worker to exit (then kill it); its result and a
+        run-level error."""
+        try:
+            self.proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
-            killed = True
+            self.killed = True
         finally:  # also on KeyboardInterrupt: never leave a worker behind
-            _stop_group(proc)
-        pump.join(timeout=5)
-    elapsed = time.monotonic() - t0
-    try:
-        result = result_from_json(json.loads(Path(spec.result_path).read_text()))
-    except (OSError, json.JSONDecodeError, TypeError) as exc:
-        result = WorkerResult(
-            model=spec.model, mode=spec.mode, status="failed", error=f"no result file ({exc})"
-        )
-    error = None
-    if killed:
-        error = (
-            f"killed at its time limit after {elapsed:.0f} s (worker status was "
-            f"{result.status!r}); points measured before are kept"
-        )
-    elif result.status in ("starting", "running"):
-        error = (
-            f"worker exited with code {proc.returncode} before finishing (status {result.status!r})"
-        )
-    elif result.status == "failed":
-        error = result.error or "failed"
-    if error:
-        tail = log_path.read_text(errors="replace").splitlines()[-25:]
-        print(f"  worker log tail ({log_path}):\n    " + "\n    ".join(tail), flush=True)
-    return result, error
+            _stop_group(self.proc)
+        self.pump.join(timeout=5)
+        self.log.close()
+        elapsed = time.monotonic() - self.t0
+        spec = self.spec
+        try:
+            result = result_from_json(json.loads(Path(spec.result_path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            result = WorkerResult(
+                model=spec.model, mode=spec.mode, status="failed", error=f"no result file ({exc})"
+            )
+        error = self.error
+        if error is None and self.killed:
+            error = (
+                f"killed at its time limit after {elapsed:.0f} s (worker status was "
+                f"{result.status!r}); points measured before are kept"
+            )
+        elif error is None and result.status in ("starting", "running"):
+            error = (f"worker exited with code {self.proc.returncode} before finishing (status "
+                     f"{result.status!r})")
+        elif error is None and result.status == "failed":
+            error = result.error or "failed"
+        if error:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-25:]
+            print(f"  worker log tail ({self.log_path}):\n    " + "\n    ".join(tail), flush=True)
+        return result, error
+
+
+def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float) -> tuple[WorkerResult, str | None]:
+    """Run one worker to completion or `limit_s`; returns its result and a run-level error."""
+    return _Worker(spec, work_dir).finish(limit_s)
 
 
 def environment(
@@ -349,4 +418,97 @@ def execute(
             f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured",
             flush=True,
         )
+    return results, failures, skipped
+
+
+def rotation(items: list[Any], k: int) -> list[Any]:
+    """`items` rotated left by k: pass k of an interleaved run starts with a different mode."""
+    if not items:
+        return []
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def execute_interleaved(
+    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
+) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """`--interleave`: start every worker's engine (one after the other, so start-ups and
+    vLLM's memory profiling never overlap), then measure point by point with the modes taking
+    turns: for each repeat (after one untimed warm-up pass) and each point, every mode runs that
+    repeat back to back, the first mode rotating. A host whose speed drifts over tens of seconds
+    then shifts every mode alike. Stops starting passes when the budget cannot hold one.
+    Returns (results, failures, skipped) like `execute`."""
+    workers: list[_Worker] = []
+    done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
+    skipped: list[dict[str, Any]] = []
+    for i, spec in enumerate(specs):
+        now = time.time()
+        if t_end is not None:
+            left = t_end - now
+            need = MODES[spec.mode].startup_estimate_s + MIN_MEASURE_S
+            if left < need:
+                why = f"time budget: {left:.0f} s left < start-up estimate {need:.0f} s"
+                print(f"[decode] skip {spec.model} {spec.mode}: {why}", flush=True)
+                skipped.append({"model": spec.model, "mode": spec.mode, "points": "all",
+                                "reason": why})
+                continue
+        limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now)
+        print(f"[decode] start {i + 1}/{len(specs)} {spec.model} {spec.mode}", flush=True)
+        worker = _Worker(spec, work_dir, interactive=True)
+        line = worker.wait_line(limit)
+        if line != READY:
+            worker.error = ("engine never became ready" if line is None
+                            else "worker exited before its engine was ready")
+            done.append((spec, *worker.finish(KILL_GRACE_S)))
+            continue
+        workers.append(worker)
+
+    points = specs[0].points() if specs else []
+    durations: dict[tuple[int, int], float] = {}
+    passes = [-1, *range(max((s.repeats for s in specs), default=0))]
+    for n, rep in enumerate(passes):
+        for j, (batch, context) in enumerate(points):
+            live = [w for w in workers if w.error is None]
+            if not live:
+                break
+            est = durations.get((batch, context), 5.0 * len(live))
+            if t_end is not None and time.time() + est > t_end:
+                if rep >= 0:
+                    skipped += [{"model": w.spec.model, "mode": w.spec.mode, "batch": batch,
+                                 "context": context, "repeats_skipped": 1,
+                                 "reason": "time budget"} for w in live]
+                continue
+            what = "warm-up" if rep < 0 else f"repeat {rep + 1}"
+            print(f"[decode] {what} b={batch} c={context}: "
+                  f"{', '.join(w.spec.mode for w in rotation(live, n + j))}", flush=True)
+            t0 = time.monotonic()
+            for w in rotation(live, n + j):
+                limit = max(60.0, 10 * est)
+                if t_end is not None:
+                    limit = min(limit, t_end - time.time() + KILL_GRACE_S)
+                if not w.send(f"point {batch} {context} {rep}"):
+                    w.error = "worker closed its input (it exited)"
+                    continue
+                line = w.wait_line(limit)
+                if line is None or line == EXITED:
+                    w.error = (f"no answer to point b={batch} c={context} within {limit:.0f} s"
+                               if line is None else "worker exited while measuring")
+            durations[(batch, context)] = time.monotonic() - t0
+
+    for w in workers:
+        if w.error is None:
+            w.send("quit")
+        done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+
+    results: list[WorkerResult] = []
+    failures: list[dict[str, Any]] = []
+    for spec, result, error in done:
+        results.append(result)
+        if error:
+            failures.append({"model": spec.model, "mode": spec.mode, "error": error,
+                             "log": str(work_dir / f"log-{spec.model}-{spec.mode}.txt")})
+        failures += [{"model": spec.model, "mode": spec.mode, "batch": p.batch,
+                      "context": p.context, "error": p.error} for p in result.points if p.error]
+        print(f"[decode] {spec.model} {spec.mode}: {result.status}, "
+              f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured", flush=True)
     return results, failures, skipped

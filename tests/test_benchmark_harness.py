@@ -657,3 +657,116 @@ def test_merge_rounds_pools_steps_and_keeps_the_first_engine() -> None:
     assert late.status == "ok" and late.startup_s == 7.0, "engine facts of the round that ran"
     (row,) = report.build_rows(merged[1], _shape("qwen3-0.6b"), None)
     assert row.repeats == 2 and row.repeat_p50_ms == [1.5, 2.0] and row.steps == 2
+
+
+# --- interleaved runs -----------------------------------------------------------------------
+
+
+def test_interleave_plan_fixed_kv_cache_and_no_rounds(tmp_path: Path) -> None:
+    out = _cli("--dry-run", "--models", "qwen3-0.6b", "--modes", "stock_full_decode,plugin_graphs",
+               "--batches", "1,64", "--contexts", "512", "--interleave", "--log-dir",
+               str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    workers = json.loads(out.stdout)["workers"]
+    assert [w["interleaved"] for w in workers] == [True, True]
+    kw = workers[0]["llm_kwargs"]
+    assert kw["gpu_memory_utilization"] == sweep.INTERLEAVE_GPU_MEMORY_UTILIZATION
+    # 28 layers x 8 kv heads x 128 x 2 (K, V) x 2 bytes = 114688 B/token, 64 x max_model_len
+    need = 114688 * 64 * kw["max_model_len"] * sweep.KV_HEADROOM
+    assert need <= kw["kv_cache_memory_bytes"] < need + 256 * 2**20
+    assert kw["kv_cache_memory_bytes"] % (256 * 2**20) == 0
+    plain = json.loads(_cli("--dry-run", "--models", "qwen3-0.6b", "--modes", "plugin_graphs",
+                            "--log-dir", str(tmp_path)).stdout)["workers"][0]
+    assert not plain["interleaved"] and "kv_cache_memory_bytes" not in plain["llm_kwargs"]
+    bad = _cli("--dry-run", "--interleave", "--rounds", "2")
+    assert bad.returncode == 2 and "--interleave and --rounds 2 do not combine" in bad.stderr
+
+
+def test_serve_commands_records_repeats_not_warmups(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def fake_run_point(llm, spec, batch, context, tag, rng, resolved, mp, mk):
+        calls.append((batch, context, tag))
+        if batch == 3:
+            raise RuntimeError("no room")
+        return [1.0, 2.0, 3.0], 0.5
+
+    monkeypatch.setattr(worker, "run_point", fake_run_point)
+    spec = WorkerSpec(model="m", config_dir="", mode="plugin_graphs", llm_kwargs={}, env={},
+                      batches=[1, 3], contexts=[512], repeats=2, decode_tokens=3,
+                      warmup_steps=0, vocab_size=10, seed=0, result_path="", interleaved=True)
+    result = WorkerResult(model="m", mode="plugin_graphs")
+    saves = []
+    commands = ["point 1 512 -1\n", "\n", "point 1 512 0\n", "point 3 512 0\n", "bogus\n",
+                "point 1 512 1\n", "quit\n", "point 1 512 2\n"]
+    worker.serve_commands(None, spec, result, lambda: saves.append(1), None, None, commands)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("[bench] ")]
+    assert lines == ["[bench-ready]", "[bench-done] ok", "[bench-done] ok", "[bench-done] error",
+                     "[bench-done] error unknown command 'bogus'", "[bench-done] ok"]
+    assert [c[:2] for c in calls] == [(1, 512), (1, 512), (3, 512), (1, 512)]  # not after quit
+    p = result.point(1, 512)
+    assert p.repeats_done == 2 and p.step_ms == [1.0, 2.0, 3.0] * 2  # the warm-up is not kept
+    assert p.repeat_p50_ms == [2.0, 2.0]
+    assert "no room" in result.point(3, 512).error
+
+
+def _interleaved_specs(tmp_path: Path, modes: list[str], repeats: int = 2) -> list[WorkerSpec]:
+    return [WorkerSpec(model="m", config_dir="", mode=m, llm_kwargs={}, env={},
+                       batches=[1, 8], contexts=[512], repeats=repeats, decode_tokens=4,
+                       warmup_steps=0, vocab_size=10, seed=0,
+                       result_path=str(tmp_path / f"result-{m}.json"), interleaved=True)
+            for m in modes]
+
+
+def _commands(path: Path) -> list[tuple[float, str]]:
+    return [(float(t), rest.strip()) for t, rest in
+            (ln.split(" ", 1) for ln in path.read_text().splitlines())]
+
+
+def test_interleaved_modes_take_turns_point_by_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweep._Worker, "module", "tests._fake_mode_worker")
+    monkeypatch.setenv("FAKE_STEP_MS_STOCK_GRAPHS", "2.0")
+    modes = ["stock_full_decode", "plugin_graphs", "stock_graphs"]
+    specs = _interleaved_specs(tmp_path, modes)
+    results, failures, skipped = sweep.execute_interleaved(specs, tmp_path, None, 60.0)
+    assert failures == [] and skipped == []
+    assert [r.mode for r in results] == modes and all(r.status == "ok" for r in results)
+    for r in results:  # the warm-up pass is not recorded; both repeats of both points are
+        assert [(p.batch, p.repeats_done) for p in r.points] == [(1, 2), (8, 2)]
+    assert results[2].point(1, 512).step_ms == [2.0] * 8
+    # Every (repeat, point) ran once per mode, all modes before the next one, first mode rotating
+    log = sorted((t, cmd, m) for m in modes
+                 for t, cmd in _commands(tmp_path / f"result-{m}.json.commands"))
+    cmds = [(cmd, m) for _, cmd, m in log if cmd != "quit"]
+    assert len(cmds) == 3 * 2 * 3  # (warm-up + 2 repeats) x 2 points x 3 modes
+    groups = [cmds[i:i + 3] for i in range(0, len(cmds), 3)]
+    for group in groups:
+        assert len({c for c, _ in group}) == 1 and {m for _, m in group} == set(modes)
+    assert [c for c, _ in (g[0] for g in groups)] == [
+        "point 1 512 -1", "point 8 512 -1", "point 1 512 0", "point 8 512 0",
+        "point 1 512 1", "point 8 512 1"]
+    firsts = [g[0][1] for g in groups]
+    assert len(set(firsts)) == 3, f"the first mode must rotate, got {firsts}"
+
+
+def test_interleaved_run_survives_a_dying_worker_and_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweep._Worker, "module", "tests._fake_mode_worker")
+    monkeypatch.setenv("FAKE_DIE_MODE", "plugin_graphs")
+    specs = _interleaved_specs(tmp_path, ["stock_full_decode", "plugin_graphs"], repeats=50)
+    t_end = time.time() + 25.0  # start-ups are estimated at >= 35 s: the first is refused
+    results, failures, skipped = sweep.execute_interleaved(specs, tmp_path, t_end, 60.0)
+    assert results == [] and {s["mode"] for s in skipped} == {"stock_full_decode",
+                                                              "plugin_graphs"}
+    t_end = time.time() + 100.0  # both start; plugin dies at its first repeat; 50 repeats
+    results, failures, skipped = sweep.execute_interleaved(specs, tmp_path, t_end, 60.0)
+    by_mode = {r.mode: r for r in results}
+    assert by_mode["stock_full_decode"].status == "ok"
+    assert by_mode["stock_full_decode"].point(1, 512).repeats_done == 50
+    assert [f["mode"] for f in failures] == ["plugin_graphs"]
+    assert "exited" in failures[0]["error"]

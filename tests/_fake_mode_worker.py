@@ -1,0 +1,57 @@
+"""A stand-in for `benchmarks._mode_worker` in interleaved runs (tests only): no engine, no GPU.
+
+Speaks the worker's stdin/stdout protocol and writes a WorkerResult like the real one. Each
+recorded repeat gets steps of `FAKE_STEP_MS_<MODE>` ms (default 1.0); the mode named in
+`FAKE_DIE_MODE` exits without answering at its first recorded repeat. Every command it gets
+is appended, with the time, to `<result_path>.commands`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from benchmarks.protocol import (
+    DONE,
+    READY,
+    WorkerResult,
+    result_to_json,
+    spec_from_json,
+    write_json_atomic,
+)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = spec_from_json(json.load(f))
+    result = WorkerResult(model=spec.model, mode=spec.mode, status="running", startup_s=0.1)
+    write_json_atomic(spec.result_path, result_to_json(result))
+    step = float(os.environ.get(f"FAKE_STEP_MS_{spec.mode.upper()}", "1.0"))
+    log = open(spec.result_path + ".commands", "a")  # noqa: SIM115 - until exit
+    print(READY, flush=True)
+    for line in sys.stdin:
+        log.write(f"{time.monotonic():.6f} {line}")
+        log.flush()
+        words = line.split()
+        if words == ["quit"]:
+            break
+        batch, context, rep = (int(w) for w in words[1:])
+        if rep >= 0 and os.environ.get("FAKE_DIE_MODE") == spec.mode:
+            os._exit(3)
+        if rep >= 0:
+            point = result.point(batch, context)
+            point.step_ms += [step] * 4
+            point.repeat_p50_ms.append(step)
+            point.prefill_s.append(0.0)
+            point.repeats_done += 1
+            write_json_atomic(spec.result_path, result_to_json(result))
+        print(f"[bench] {spec.mode} rep {rep} b={batch} c={context}", flush=True)
+        print(f"{DONE} ok", flush=True)
+    result.status = "ok"
+    write_json_atomic(spec.result_path, result_to_json(result))
+
+
+if __name__ == "__main__":
+    main()
