@@ -770,3 +770,34 @@ def test_interleaved_run_survives_a_dying_worker_and_the_budget(
     assert by_mode["stock_full_decode"].point(1, 512).repeats_done == 50
     assert [f["mode"] for f in failures] == ["plugin_graphs"]
     assert "exited" in failures[0]["error"]
+
+
+def test_interleaved_worker_drives_a_real_cpu_engine(tmp_path: Path, cpu_vllm: str) -> None:
+    """The real mode worker in interleaved mode on vLLM's CPU build (`--allow-cpu`): a real
+    engine starts, answers a warm-up and two repeats through stdin, and quits cleanly."""
+    from tests.serve_util import cpu_env
+    from tests.tiny_models import build_checkpoint
+
+    model = build_checkpoint(str(tmp_path / "tiny"))
+    spec = WorkerSpec(
+        model="tiny", config_dir=model, mode="stock_eager",
+        llm_kwargs={"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
+                    "dtype": "bfloat16", "seed": 0, "max_num_seqs": 2, "max_model_len": 128,
+                    "enforce_eager": True, "enable_prefix_caching": False},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, batches=[2], contexts=[16], repeats=2,
+        decode_tokens=8, warmup_steps=1, vocab_size=100, seed=0,
+        result_path=str(tmp_path / "result.json"), interleaved=True)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks._mode_worker", str(spec_path), "--allow-cpu"],
+        input="point 2 16 -1\npoint 2 16 0\npoint 2 16 1\nquit\n", cwd=REPO,
+        env=cpu_env(cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
+        text=True, timeout=600)
+    control = [ln for ln in proc.stdout.splitlines() if ln.startswith("[bench-")]
+    assert control == ["[bench-ready]"] + ["[bench-done] ok"] * 3, proc.stdout[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok", result.get("error")
+    (point,) = result["points"]
+    assert point["repeats_done"] == 2 and len(point["repeat_p50_ms"]) == 2  # no warm-up
+    assert len(point["step_ms"]) == 2 * 8 and all(s > 0 for s in point["step_ms"])
