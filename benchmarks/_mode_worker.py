@@ -13,6 +13,7 @@ got exactly one new token and all of them had finished prefill before: decode-on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -238,10 +239,11 @@ def run(
     def make_prompt(ids: list[int]) -> Any:
         return TokensPrompt(prompt_token_ids=ids)
 
+    bench = Bench(llm, spec, result, save, make_params, make_prompt)
     if spec.interleaved:
-        serve_commands(llm, spec, result, save, make_params, make_prompt)
+        serve_commands(bench)
     else:
-        measure_points(llm, spec, result, save, make_params, make_prompt)
+        measure_points(bench)
     if os.environ.get("BENCH_PROFILE_DIR") and on_gpu:
         from benchmarks.profile_steps import profile_run
 
@@ -298,14 +300,21 @@ def plugin_counters() -> dict[str, Any] | None:
     return out
 
 
-def measure_points(
-    llm: Any,
-    spec: WorkerSpec,
-    result: WorkerResult,
-    save: Callable[[], None],
-    make_params: Callable[[int], Any],
-    make_prompt: Callable[[list[int]], Any],
-) -> None:
+@dataclasses.dataclass(slots=True)
+class Bench:
+    """What measuring needs: the engine, the spec, the result it fills and how to save it, and
+    the vLLM request builders."""
+
+    llm: Any
+    spec: WorkerSpec
+    result: WorkerResult
+    save: Callable[[], None]
+    make_params: Callable[[int], Any]
+    make_prompt: Callable[[list[int]], Any]
+
+
+def measure_points(bench: Bench) -> None:
+    spec, result = bench.spec, bench.result
     rng = random.Random(spec.seed)
     durations: dict[tuple[int, int], float] = {}
     skipped: dict[tuple[int, int], int] = {}
@@ -331,8 +340,7 @@ def measure_points(
                 skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
                 continue
             t0 = time.perf_counter()
-            ok = measure_one(llm, spec, result, save, make_params, make_prompt, rng, batch,
-                             context, rep, f"r{rep}b{batch}c{context}")
+            ok = measure_one(bench, rng, batch, context, rep, f"r{rep}b{batch}c{context}")
             if not ok:
                 failures_in_row += 1
                 if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
@@ -349,12 +357,7 @@ def measure_points(
 
 
 def measure_one(
-    llm: Any,
-    spec: WorkerSpec,
-    result: WorkerResult,
-    save: Callable[[], None],
-    make_params: Callable[[int], Any],
-    make_prompt: Callable[[list[int]], Any],
+    bench: Bench,
     rng: random.Random,
     batch: int,
     context: int,
@@ -364,12 +367,12 @@ def measure_one(
 ) -> bool:
     """One repeat of one point: recorded in `result` (unless `record` is False: a warm-up) and
     saved. False when it failed (the error is recorded on the point)."""
+    spec, result, save = bench.spec, bench.result, bench.save
     point = result.point(batch, context)
     t0 = time.perf_counter()
     try:
-        steps, prefill_s = run_point(
-            llm, spec, batch, context, tag, rng, result.resolved, make_params, make_prompt
-        )
+        steps, prefill_s = run_point(bench.llm, spec, batch, context, tag, rng, result.resolved,
+                                     bench.make_params, bench.make_prompt)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         point.error = format_error(exc)
         say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
@@ -390,21 +393,13 @@ def measure_one(
     return True
 
 
-def serve_commands(
-    llm: Any,
-    spec: WorkerSpec,
-    result: WorkerResult,
-    save: Callable[[], None],
-    make_params: Callable[[int], Any],
-    make_prompt: Callable[[list[int]], Any],
-    commands: Any = None,
-) -> None:
+def serve_commands(bench: Bench, commands: Any = None) -> None:
     """Interleaved runs (`benchmarks.decode --interleave`): the parent keeps every mode's engine
     up and sends one line per repeat of a point, mode after mode, so that every mode samples the
     host at the same moments. Commands: `point BATCH CONTEXT REP` (REP -1: a warm-up, not
     recorded) and `quit`; each gets a DONE line back. Ends at `quit` or end of input."""
     commands = sys.stdin if commands is None else commands
-    rng = random.Random(spec.seed)
+    rng = random.Random(bench.spec.seed)
     print(READY, flush=True)
     for line in commands:
         words = line.split()
@@ -419,8 +414,8 @@ def serve_commands(
         except ValueError as exc:
             print(f"{DONE} error {exc}", flush=True)
             continue
-        ok = measure_one(llm, spec, result, save, make_params, make_prompt, rng, batch, context,
-                         max(rep, 0), f"i{rep}b{batch}c{context}", record=rep >= 0)
+        ok = measure_one(bench, rng, batch, context, max(rep, 0), f"i{rep}b{batch}c{context}",
+                         record=rep >= 0)
         print(f"{DONE} {'ok' if ok else 'error'}", flush=True)
 
 

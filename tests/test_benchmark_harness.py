@@ -701,7 +701,8 @@ def test_serve_commands_records_repeats_not_warmups(
     saves = []
     commands = ["point 1 512 -1\n", "\n", "point 1 512 0\n", "point 3 512 0\n", "bogus\n",
                 "point 1 512 1\n", "quit\n", "point 1 512 2\n"]
-    worker.serve_commands(None, spec, result, lambda: saves.append(1), None, None, commands)
+    bench = worker.Bench(None, spec, result, lambda: saves.append(1), None, None)
+    worker.serve_commands(bench, commands)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("[bench] ")]
     assert lines == ["[bench-ready]", "[bench-done] ok", "[bench-done] ok", "[bench-done] error",
                      "[bench-done] error unknown command 'bogus'", "[bench-done] ok"]
