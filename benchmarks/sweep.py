@@ -429,40 +429,11 @@ def rotation(items: list[Any], k: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
-def execute_interleaved(
-    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
-) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
-    """`--interleave`: start every worker's engine (one after the other, so start-ups and
-    vLLM's memory profiling never overlap), then measure point by point with the modes taking
-    turns: for each repeat (after one untimed warm-up pass) and each point, every mode runs that
-    repeat back to back, the first mode rotating. A host whose speed drifts over tens of seconds
-    then shifts every mode alike. Stops starting passes when the budget cannot hold one.
-    Returns (results, failures, skipped) like `execute`."""
-    workers: list[_Worker] = []
-    done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
-    skipped: list[dict[str, Any]] = []
-    for i, spec in enumerate(specs):
-        now = time.time()
-        if t_end is not None:
-            left = t_end - now
-            need = MODES[spec.mode].startup_estimate_s + MIN_MEASURE_S
-            if left < need:
-                why = f"time budget: {left:.0f} s left < start-up estimate {need:.0f} s"
-                print(f"[decode] skip {spec.model} {spec.mode}: {why}", flush=True)
-                skipped.append({"model": spec.model, "mode": spec.mode, "points": "all",
-                                "reason": why})
-                continue
-        limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now)
-        print(f"[decode] start {i + 1}/{len(specs)} {spec.model} {spec.mode}", flush=True)
-        worker = _Worker(spec, work_dir, interactive=True)
-        line = worker.wait_line(limit)
-        if line != READY:
-            worker.error = ("engine never became ready" if line is None
-                            else "worker exited before its engine was ready")
-            done.append((spec, *worker.finish(KILL_GRACE_S)))
-            continue
-        workers.append(worker)
-
+def _measure_in_turns(workers: list[_Worker], specs: list[WorkerSpec], t_end: float | None,
+                      cut: dict[tuple[str, int, int], int]) -> None:
+    """The measuring passes of `execute_interleaved`: a warm-up pass, then the repeats; within a
+    pass point by point, every live worker in turn, the first one rotating. Passes the budget
+    cannot hold are counted into `cut`."""
     points = specs[0].points() if specs else []
     durations: dict[tuple[int, int], float] = {}
     passes = [-1, *range(max((s.repeats for s in specs), default=0))]
@@ -470,19 +441,19 @@ def execute_interleaved(
         for j, (batch, context) in enumerate(points):
             live = [w for w in workers if w.error is None]
             if not live:
-                break
+                return
             est = durations.get((batch, context), 5.0 * len(live))
             if t_end is not None and time.time() + est > t_end:
-                if rep >= 0:
-                    skipped += [{"model": w.spec.model, "mode": w.spec.mode, "batch": batch,
-                                 "context": context, "repeats_skipped": 1,
-                                 "reason": "time budget"} for w in live]
+                for w in live if rep >= 0 else ():
+                    key = (w.spec.mode, batch, context)
+                    cut[key] = cut.get(key, 0) + 1
                 continue
+            order = rotation(live, n + j)
             what = "warm-up" if rep < 0 else f"repeat {rep + 1}"
             print(f"[decode] {what} b={batch} c={context}: "
-                  f"{', '.join(w.spec.mode for w in rotation(live, n + j))}", flush=True)
+                  f"{', '.join(w.spec.mode for w in order)}", flush=True)
             t0 = time.monotonic()
-            for w in rotation(live, n + j):
+            for w in order:
                 limit = max(60.0, 10 * est)
                 if t_end is not None:
                     limit = min(limit, t_end - time.time() + KILL_GRACE_S)
@@ -495,10 +466,47 @@ def execute_interleaved(
                                if line is None else "worker exited while measuring")
             durations[(batch, context)] = time.monotonic() - t0
 
-    for w in workers:
-        if w.error is None:
-            w.send("quit")
-        done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+
+def execute_interleaved(
+    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
+) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """`--interleave`: start every worker's engine (one after the other, so start-ups and
+    vLLM's memory profiling never overlap), then measure point by point with the modes taking
+    turns: for each repeat (after one untimed warm-up pass) and each point, every mode runs that
+    repeat back to back, the first mode rotating. A host whose speed drifts over tens of seconds
+    then shifts every mode alike. Stops starting passes when the budget cannot hold one.
+    Returns (results, failures, skipped) like `execute`."""
+    started: list[_Worker] = []  # every worker ever started: all are finished, come what may
+    done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
+    skipped: list[dict[str, Any]] = []
+    cut: dict[tuple[str, int, int], int] = {}  # (mode, batch, context) -> repeats cut by budget
+    try:
+        for i, spec in enumerate(specs):
+            now = time.time()
+            need = MODES[spec.mode].startup_estimate_s + MIN_MEASURE_S
+            if t_end is not None and t_end - now < need:
+                why = f"time budget: {t_end - now:.0f} s left < start-up estimate {need:.0f} s"
+                print(f"[decode] skip {spec.model} {spec.mode}: {why}", flush=True)
+                skipped.append({"model": spec.model, "mode": spec.mode, "points": "all",
+                                "reason": why})
+                continue
+            limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now)
+            print(f"[decode] start {i + 1}/{len(specs)} {spec.model} {spec.mode}", flush=True)
+            worker = _Worker(spec, work_dir, interactive=True)
+            started.append(worker)
+            line = worker.wait_line(limit)
+            if line != READY:
+                worker.error = ("engine never became ready" if line is None
+                                else "worker exited before its engine was ready")
+        _measure_in_turns(started, specs, t_end, cut)
+    finally:
+        for w in started:
+            if w.error is None:
+                w.send("quit")
+            done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+    model = specs[0].model if specs else ""
+    skipped += [{"model": model, "mode": m, "batch": b, "context": c, "repeats_skipped": n,
+                 "reason": "time budget"} for (m, b, c), n in cut.items()]
 
     results: list[WorkerResult] = []
     failures: list[dict[str, Any]] = []

@@ -2,7 +2,8 @@
 
 Speaks the worker's stdin/stdout protocol and writes a WorkerResult like the real one. Each
 recorded repeat gets steps of `FAKE_STEP_MS_<MODE>` ms (default 1.0); the mode named in
-`FAKE_DIE_MODE` exits without answering at its first recorded repeat. Every command it gets
+`FAKE_DIE_MODE` exits without answering at its first recorded repeat; every command takes
+`FAKE_SLEEP_S` seconds (default 0). Every command it gets
 is appended, with the time, to `<result_path>.commands`.
 """
 
@@ -38,6 +39,7 @@ def main() -> None:
         if words == ["quit"]:
             break
         batch, context, rep = (int(w) for w in words[1:])
+        time.sleep(float(os.environ.get("FAKE_SLEEP_S", "0")))
         if rep >= 0 and os.environ.get("FAKE_DIE_MODE") == spec.mode:
             os._exit(3)
         if rep >= 0:

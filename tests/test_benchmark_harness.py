@@ -802,3 +802,24 @@ def test_interleaved_worker_drives_a_real_cpu_engine(tmp_path: Path, cpu_vllm: s
     (point,) = result["points"]
     assert point["repeats_done"] == 2 and len(point["repeat_p50_ms"]) == 2  # no warm-up
     assert len(point["step_ms"]) == 2 * 8 and all(s > 0 for s in point["step_ms"])
+
+
+def test_interleaved_budget_cuts_whole_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an unmeasured point is estimated at 5 s a mode: 12 s hold the warm-up pass and a few more
+    monkeypatch.setattr(sweep._Worker, "module", "tests._fake_mode_worker")
+    monkeypatch.setattr(sweep, "MODES", {m: SimpleNamespace(startup_estimate_s=0.0)
+                                         for m in ("stock_full_decode", "plugin_graphs")})
+    monkeypatch.setattr(sweep, "MIN_MEASURE_S", 0.0)
+    monkeypatch.setenv("FAKE_SLEEP_S", "0.25")
+    specs = _interleaved_specs(tmp_path, ["stock_full_decode", "plugin_graphs"], repeats=20)
+    results, failures, skipped = sweep.execute_interleaved(specs, tmp_path, time.time() + 12.0,
+                                                           60.0)
+    assert failures == []
+    done = {(r.mode, p.batch): p.repeats_done for r in results for p in r.points}
+    assert 1 <= done[("plugin_graphs", 1)] < 20
+    for b in (1, 8):  # a pass is all modes or none: every mode got the same repeats
+        assert done[("stock_full_decode", b)] == done[("plugin_graphs", b)]
+    cut = {(s["mode"], s["batch"]): s["repeats_skipped"] for s in skipped}
+    assert all(done[k] + cut[k] == 20 for k in done), (done, cut)
