@@ -4,25 +4,30 @@
 #
 #   bash benchmarks/gpu/kernels.sh
 #
-# Runs, each under its own timeout, everything under KERNELS_GUARD_S seconds (default 240):
-#   1. benchmarks.gemm_kernels  the Qwen3-0.6B / 8B linears at M 1, 8, 16: ours (split reduce in
-#      its launch, and the two-launch path), cuBLAS, and the down_proj + SiLU-and-mul tail;
-#   2. benchmarks.attn_kernels  our decode attention vs TRITON_ATTN, both shapes, batch
-#      1..64, context 512 / 4096 (ours as the backend runs it, and the two-launch split path);
-#   3. benchmarks.attn_kernels --sweep at batch 1 / context 512 over splits and tile sizes.
-# Writes $OUT/gemm-kernels.{txt,json}, attn-kernels.{txt,json}, attn-sweep-b1.{txt,json}.
-# Never run it next to anything else on the GPU: these are timings.
+# Runs the steps named in KERNELS_STEPS (default: all, in this order), each under its own
+# timeout, everything under KERNELS_GUARD_S seconds (default 420):
+#   gemm          benchmarks.gemm_kernels: the decode linears of Qwen3-0.6B / 8B / 30B-A3B at
+#                 M 1, 8, 16, ours vs cuBLAS
+#   gemm-sweep    benchmarks.gemm_kernels --sweep on the Qwen3-0.6B projections where cuBLAS
+#                 still wins (qkv, gate_up: N > K) at M 1 and 8
+#   attn-grid     benchmarks.attn_kernels: issue 4's grid, both shapes, batch 1..128 x context
+#                 512..32k, ours vs TRITON_ATTN and the HBM floor
+#   attn-sweep-b1 benchmarks.attn_kernels --sweep at batch 1 / context 512 (splits, tiles)
+# Writes $OUT/<step>.txt and $OUT/<step>.json. Never run it next to anything else on the GPU:
+# these are timings.
 set -uo pipefail
 T0=$(date +%s)
-GUARD_S=${KERNELS_GUARD_S:-240}
+GUARD_S=${KERNELS_GUARD_S:-420}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 left() { echo $((GUARD_S - ($(date +%s) - T0))); }
 # shellcheck source=benchmarks/gpu/env.sh
 . benchmarks/gpu/env.sh || exit 3
+STEPS=" ${KERNELS_STEPS:-gemm gemm-sweep attn-grid attn-sweep-b1} "
 step() {  # step NAME SHARE_OF_LEFT_PERCENT ARGS...
   local name=$1 share=$2
   shift 2
+  case "$STEPS" in *" $name "*) ;; *) return ;; esac
   local t=$(( $(left) * share / 100 ))
   if [ "$t" -lt 20 ]; then echo "[kernels.sh] skip $name: ${t}s left"; return; fi
   echo "[kernels.sh] $name (guard ${t}s): $*"
@@ -30,9 +35,11 @@ step() {  # step NAME SHARE_OF_LEFT_PERCENT ARGS...
   echo "[kernels.sh] $name exit $? after $(($(date +%s) - T0))s"
   tail -n 40 "$OUT/$name.txt"
 }
-step gemm-kernels 35 -m benchmarks.gemm_kernels --ms 1,8,16 \
-  --shapes qwen3-0.6b/qkv,qwen3-0.6b/o_proj,qwen3-0.6b/gate_up,qwen3-0.6b/down,qwen3-8b/o_proj,qwen3-8b/down,qwen3-30b-a3b/o_proj
-step attn-kernels 55 -m benchmarks.attn_kernels --batches 1,8,32,64 --contexts 512,4096
+step gemm 15 -m benchmarks.gemm_kernels --ms 1,8,16
+step gemm-sweep 30 -m benchmarks.gemm_kernels --ms 1,8 --shapes qwen3-0.6b/qkv,qwen3-0.6b/gate_up \
+  --sweep --sweep-ms 1,8 --sweep-block-n 16,32 --sweep-block-k 128,256 --sweep-splits 1,2 \
+  --sweep-num-warps 4 --sweep-num-stages 3 --sweep-swap-ab 0,1
+step attn-grid 70 -m benchmarks.attn_kernels --batches 1,8,32,64,128 --contexts 512,2048,8192,32768
 step attn-sweep-b1 100 -m benchmarks.attn_kernels --models qwen3-0.6b --batches 1 \
   --contexts 512 --sweep --sweep-block-n 16,32,64 --sweep-num-warps 2,4 --sweep-num-stages 2 \
   --sweep-splits auto,4,8,16,32
