@@ -464,6 +464,7 @@ def _measure_in_turns(workers: list[_Worker], specs: list[WorkerSpec], t_end: fl
                 if line is None or line == EXITED:
                     w.error = (f"no answer to point b={batch} c={context} within {limit:.0f} s"
                                if line is None else "worker exited while measuring")
+                    _stop_group(w.proc)  # a hung worker must not run next to the others
             durations[(batch, context)] = time.monotonic() - t0
 
 
@@ -495,9 +496,11 @@ def execute_interleaved(
             worker = _Worker(spec, work_dir, interactive=True)
             started.append(worker)
             line = worker.wait_line(limit)
-            if line != READY:
+            if line != READY:  # ended now: a hung start must not hold the GPU while others run
                 worker.error = ("engine never became ready" if line is None
                                 else "worker exited before its engine was ready")
+                started.remove(worker)
+                done.append((spec, *worker.finish(KILL_GRACE_S)))
         _measure_in_turns(started, specs, t_end, cut)
     finally:
         for w in started:
