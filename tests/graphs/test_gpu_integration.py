@@ -82,7 +82,8 @@ def kill(on):
 
 t0 = time.perf_counter()
 llm = LLM(**spec["llm_kwargs"])
-result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": []}
+result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": [],
+          "startup_metrics": collect_text()}
 cfg = llm.llm_engine.vllm_config
 result["config"] = {"worker_cls": cfg.parallel_config.worker_cls,
                     "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
@@ -319,6 +320,29 @@ def test_experimental_kernels_keep_parity(tmp_path):
     logs = "\n".join(summary["log_lines"])
     assert f"small-M GEMM on {4 * NUM_LAYERS} linear layers" in logs, logs
     assert f"fused q/k norm + RoPE in {NUM_LAYERS} of {NUM_LAYERS} attention layers" in logs, logs
+    assert_parity(summary)
+
+
+def test_precapture_serves_from_start_up_graphs(tmp_path):
+    """precapture=true: every key captured while the engine starts (before any request), then
+    decode replays them with no further capture, token-identical to the kill switch."""
+    model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
+    cfg = {"moe_graphs": {"precapture": True}}
+    result = run_engine(tmp_path, "precapture",
+                        _llm_kwargs(model, load_format="dummy", additional_config=cfg),
+                        _prompts(vocab), parity_phases((1, 8, 32)), max_tokens=64)
+    summary = check_parity(result)
+    summary["startup_captures"] = metric(result["startup_metrics"], "moe_graphs_captures_total")
+    summary["startup_pool_bytes"] = metric(result["startup_metrics"], "moe_graphs_pool_bytes")
+    report("precapture", summary)
+    logs = summary["log_lines"]
+    planned = next((ln for ln in logs if "pre-capturing" in ln), None)
+    assert planned is not None, logs
+    keys = int(re.search(r"pre-capturing (\d+) decode graphs", planned).group(1))
+    assert any(f"pre-captured {keys}/{keys}" in ln for ln in logs), logs
+    # max_num_seqs 64, max_model_len 512: batch buckets up to 64, one context bucket (512)
+    assert summary["startup_captures"] == keys and summary["captures"] == keys, summary
+    assert summary["startup_pool_bytes"] > 0, summary
     assert_parity(summary)
 
 

@@ -350,3 +350,60 @@ def test_dummy_runs_outside_execute_model_are_left_to_vllm():
     r._mg_executing = False
     mode, desc, out = _step(r, 3, [1, 1, 1])
     assert mode is mode_enum.NONE and desc.num_tokens == 3 and capture.captures == 0
+
+
+def test_precapture_plans_each_key_at_its_context_bucket():
+    """capture_model (precapture=true): vLLM's _dummy_run per key, with every row at the key's
+    context bucket (the decode kernel's split count is planned from it), largest key first; each
+    key captured once, then replayed by real steps without a new capture."""
+    import dataclasses
+
+    import torch
+
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.integration.model_runner import graph_config
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=3)
+    r.max_model_len = 4096
+    config = graph_config(dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)),
+                          4, r.max_model_len)
+    assert config.context_buckets == (2048, 4096)
+    r._mg_graphs.config = config
+    r.moe_config = dataclasses.replace(r.moe_config, precapture=True)
+    calls = []
+
+    def dummy_run(num_tokens, **kw):  # what vLLM's _dummy_run does with the model, in short
+        calls.append((num_tokens, kw))
+        assert kw["is_graph_capturing"] is False and kw["uniform_decode"] is True
+        r._mg_determined = r._determine_batch_execution_and_padding(
+            num_tokens, num_tokens, None, 1, False)
+        ids = torch.arange(1, num_tokens + 1, dtype=torch.int32)
+        return r.model(input_ids=ids, positions=ids.long())
+
+    r._dummy_run = dummy_run
+    r._mg_executing = False
+    r.capture_model()
+    assert [(n, kw["profile_seq_lens"]) for n, kw in calls] == [
+        (4, 4096), (4, 2048), (2, 4096), (2, 2048)]
+    assert all(kw["cudagraph_runtime_mode"] is mode_enum.FULL for _, kw in calls)
+    assert r._mg_graphs.keys == tuple(sorted(GraphKey(b, c) for b in (2, 4)
+                                             for c in (2048, 4096)))
+    assert capture.captures == 4 and r._mg_precapture_key is None
+    r._mg_executing = True
+    mode, desc, out = _step(r, 3, [1, 1, 1])  # contexts 10..12: key (4, 2048), no warm-up
+    assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4
+    assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
+
+
+def test_graph_config_fits_buckets_to_the_engine():
+    from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.integration.model_runner import graph_config
+
+    cfg = PluginConfig(decode_batch_buckets=(1, 8, 64, 256),
+                       context_buckets=(2048, 8192, 32768, 131072))
+    fitted = graph_config(cfg, 64, 40960)
+    assert fitted.decode_batch_buckets == (1, 8, 64)
+    assert fitted.context_buckets == (2048, 8192, 32768, 40960)
+    small = graph_config(cfg, 48, 512)
+    assert small.decode_batch_buckets == (1, 8, 48) and small.context_buckets == (512,)
+    assert graph_config(cfg, 512, 131072) == cfg

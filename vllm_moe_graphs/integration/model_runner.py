@@ -143,15 +143,19 @@ def _metrics_sink() -> InvalidationSink | None:
     return recorder(_rank())
 
 
-def graph_config(config: PluginConfig, max_num_seqs: int) -> PluginConfig:
-    """`config` with its batch buckets fitted to the engine: no bucket above max_num_seqs (vLLM's
-    persistent buffers hold that many rows); the largest becomes max_num_seqs when a configured
-    bucket reached past it."""
+def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
+    """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
+    persistent buffers hold that many rows; the largest becomes max_num_seqs when a configured
+    bucket reached past it), and the context buckets the attention metadata plans with: those
+    below max_model_len, then max_model_len (no key for a context the engine never serves)."""
+    from vllm_moe_graphs.attention.metadata import context_buckets
+
     buckets = config.decode_batch_buckets
-    if buckets[-1] < max_num_seqs:
-        return config
-    fitted = tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
-    return dataclasses.replace(config, decode_batch_buckets=fitted)
+    if buckets[-1] >= max_num_seqs:
+        buckets = tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
+    return dataclasses.replace(config, decode_batch_buckets=buckets,
+                               context_buckets=context_buckets(config.context_buckets,
+                                                               max_model_len))
 
 
 def _rank() -> int:
@@ -335,9 +339,13 @@ class MoeGraphsModelRunner(GPUModelRunner):
                 self._mg_precapture_key = key
                 self.model = _PrecaptureModel(self, key)
                 try:
+                    # NOTE: every row at the key's context bucket, as a real step of that key
+                    # would plan it (the decode kernel's split count is a function of the
+                    # bucket). vLLM's capture flag would plan every key for max_model_len.
                     self._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
                                     uniform_decode=True, skip_eplb=True, remove_lora=False,
-                                    is_graph_capturing=True)
+                                    is_graph_capturing=False,
+                                    profile_seq_lens=key.context_bucket)  # <= max_model_len
                 finally:
                     self.model = real
                     self._mg_precapture_key = None
@@ -467,7 +475,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
                 vllm_own is not None and vllm_own.name != "NONE"):
             return
         rec = recorder(_rank())
-        config = graph_config(self.moe_config, self.max_num_reqs)
+        config = graph_config(self.moe_config, self.max_num_reqs, self.max_model_len)
         self._mg_graphs = DecodeGraphRunner(
             self._mg_forward, config, storage=self.moe_storage,
             kill_switch=KillSwitch.from_env(), metrics=rec)
@@ -476,7 +484,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
                     "warm-up %d steps, pool budget %d MiB",
                     list(config.decode_batch_buckets),
-                    list(self.moe_config.context_buckets), self.moe_config.warmup_steps,
+                    list(config.context_buckets), self.moe_config.warmup_steps,
                     self.moe_config.graph_memory_budget_mib)
 
     def _mg_revalidate(self, event: str) -> None:
