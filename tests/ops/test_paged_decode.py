@@ -183,6 +183,14 @@ class TestChooseNumSplits:
         assert 1 * 4 * s >= pd.TARGET_PROGRAMS_PER_SM * 132 or s == pd.MAX_SPLITS
         assert s <= pd.MAX_SPLITS
 
+    @pytest.mark.parametrize("batch, kv_heads, context, best", [
+        # the fastest split count of the H200 sweep at block_n 64 (132 SMs), where it was clear
+        (8, 8, 512, 8), (8, 8, 2048, 8), (16, 8, 2048, 4), (32, 8, 512, 2), (64, 8, 512, 1),
+        (64, 8, 2048, 1), (8, 4, 512, 8), (8, 4, 2048, 16), (16, 4, 2048, 8), (32, 4, 512, 4),
+        (32, 4, 2048, 4), (64, 4, 2048, 2), (1, 8, 512, 8)])
+    def test_matches_the_h200_sweep(self, batch, kv_heads, context, best):
+        assert choose_num_splits(batch, kv_heads, context, 132) == best
+
     def test_short_context_does_not_split(self):
         assert choose_num_splits(1, 8, 100, 132) == 1
         assert choose_num_splits(1, 8, 2 * pd.MIN_TOKENS_PER_SPLIT, 132) == 2

@@ -20,7 +20,6 @@ Graph safety: the launchers read only shapes and host constants; no allocation, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,10 @@ DOT_MIN_GROUP = 2  # G >= this uses tl.dot (M padded to DOT_MIN_M), else multipl
 DOT_MIN_M = 16  # smallest M tl.dot accepts
 MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile (H200, b1 c512: 8 splits beat 4)
 MAX_SPLITS = 64  # upper bound for choose_num_splits (also sizes the reduce tile)
-TARGET_PROGRAMS_PER_SM = 2  # split until B * Hkv * S reaches this many programs per SM
+# B * Hkv * S up to this many programs per SM (H200 sweep, b8-64 x c512/2k, both shapes, in
+# benchmarks/results/attn-sweep-b8-64-h200-s6.txt: with 2, rounded up, 0.6B b8 ran 5 splits
+# where 8 were 8-15% faster)
+TARGET_PROGRAMS_PER_SM = 4
 REDUCE_NUM_WARPS = 4
 WORKSPACE_STATS = 2  # trailing (max, sum) columns of each workspace row
 
@@ -74,9 +76,11 @@ class DecodeKernelConfig:
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Split-K factor for a bucket: a pure function of host constants (never of seq_lens).
 
-    Enough (sequence, kv head, split) programs to give every SM TARGET_PROGRAMS_PER_SM of them,
-    but no split shorter than MIN_TOKENS_PER_SPLIT tokens of `max_context`, and at most
-    MAX_SPLITS. Returns 1 (no split, no workspace needed) when the batch already fills the GPU.
+    The most splits whose (sequence, kv head, split) programs stay within TARGET_PROGRAMS_PER_SM
+    per SM (rounded down: one split too many costs more than one too few once the batch alone
+    nearly fills the GPU), but no split shorter than MIN_TOKENS_PER_SPLIT tokens of
+    `max_context`, and at most MAX_SPLITS. Returns 1 (no split, no workspace needed) when the
+    batch already fills the GPU.
     """
     if batch < 1 or num_kv_heads < 1 or num_sms < 1:
         raise ValueError(
@@ -84,7 +88,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
             f"{num_sms}"
         )
     programs = batch * num_kv_heads
-    wanted = math.ceil(TARGET_PROGRAMS_PER_SM * num_sms / programs)
+    wanted = TARGET_PROGRAMS_PER_SM * num_sms // programs
     by_length = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
