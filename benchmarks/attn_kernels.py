@@ -395,6 +395,11 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"# wrote {args.out}")
+    if not args.sweep:
+        from benchmarks.plot import render_attn
+
+        if (png := render_attn(result, args.out.with_suffix(".png"))) is not None:
+            print(f"# wrote {png}")
     return 1 if failures else 0
 
 

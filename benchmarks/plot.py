@@ -95,3 +95,85 @@ def render(doc: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
+    """PNG of a `benchmarks.attn_kernels` JSON: per model, TRITON_ATTN time / ours vs context (a
+    line per batch; above 1 = ours faster) and ours as % of the HBM floor (the copy bandwidth)."""
+    rows = doc.get("rows", [])
+    if not rows:
+        print("plot: no rows to plot", flush=True)
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"plot: matplotlib is not installed ({exc}); skipping {path.name}. Install it "
+              f"(pip install matplotlib) and run `python -m benchmarks.plot attn JSON`.",
+              flush=True)
+        return None
+    models = sorted({r["model"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    colors = {b: plt.get_cmap("viridis")(i / max(1, len(batches) - 1))
+              for i, b in enumerate(batches)}
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        for batch in batches:
+            pts = sorted((r["context"], r["ratio"], r["pct_hbm"], r["vllm_pct_hbm"])
+                         for r in rows if r["model"] == model and r["batch"] == batch)
+            if not pts:
+                continue
+            ctx, ratio, ours, theirs = zip(*pts)
+            axes[0][col].plot(ctx, ratio, marker="o", color=colors[batch], label=f"b{batch}")
+            axes[1][col].plot(ctx, ours, marker="o", color=colors[batch], label=f"ours b{batch}")
+            axes[1][col].plot(ctx, theirs, marker="x", linestyle=":", color=colors[batch],
+                              label=f"TRITON_ATTN b{batch}")
+        axes[0][col].axhline(1.0, color="0.3", linewidth=1)
+        axes[0][col].axhline(1.25, color="0.6", linewidth=1, linestyle="--")
+        axes[0][col].set_ylabel("TRITON_ATTN us / ours us")
+        axes[1][col].axhline(70, color="0.6", linewidth=1, linestyle="--")
+        axes[1][col].set_ylabel("% of HBM floor (copy bandwidth)")
+        for row in (0, 1):
+            ax = axes[row][col]
+            ax.set_title(f"{model}: decode attention")
+            ax.set_xscale("log", base=2)
+            contexts = sorted({r["context"] for r in rows if r["model"] == model})
+            ax.set_xticks(contexts, [str(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_xlabel("context")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle(f"decode attention vs TRITON_ATTN: {doc.get('device', '')}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot",
+                                description="Re-render the PNG of a saved benchmark JSON.")
+    p.add_argument("kind", choices=("decode", "attn"),
+                   help="decode: benchmarks.decode JSON; attn: benchmarks.attn_kernels JSON")
+    p.add_argument("json", type=Path)
+    p.add_argument("--out", type=Path, help="PNG path (default: the JSON's, with .png)")
+    args = p.parse_args(argv)
+    try:
+        doc = json.loads(args.json.read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"cannot read {args.json}: {exc}")
+    out = args.out or args.json.with_suffix(".png")
+    written = (render_attn if args.kind == "attn" else render)(doc, out)
+    if written is not None:
+        print(f"wrote {written}")
+    return 0 if written is not None else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
