@@ -407,3 +407,6 @@ def test_graph_config_fits_buckets_to_the_engine():
     small = graph_config(cfg, 48, 512)
     assert small.decode_batch_buckets == (1, 8, 48) and small.context_buckets == (512,)
     assert graph_config(cfg, 512, 131072) == cfg
+    # a largest context bucket below max_model_len is the operator's limit: longer runs eager
+    short = PluginConfig(context_buckets=(2048, 8192))
+    assert graph_config(short, 256, 40960).context_buckets == (2048, 8192)

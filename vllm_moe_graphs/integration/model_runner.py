@@ -143,19 +143,21 @@ def _metrics_sink() -> InvalidationSink | None:
     return recorder(_rank())
 
 
+def _fit(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """`buckets` capped at `limit`: when one reaches it, those at or past it become `limit`."""
+    if buckets[-1] < limit:
+        return buckets
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
 def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
     """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
-    persistent buffers hold that many rows; the largest becomes max_num_seqs when a configured
-    bucket reached past it), and the context buckets the attention metadata plans with: those
-    below max_model_len, then max_model_len (no key for a context the engine never serves)."""
-    from vllm_moe_graphs.attention.metadata import context_buckets
-
-    buckets = config.decode_batch_buckets
-    if buckets[-1] >= max_num_seqs:
-        buckets = tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
-    return dataclasses.replace(config, decode_batch_buckets=buckets,
-                               context_buckets=context_buckets(config.context_buckets,
-                                                               max_model_len))
+    persistent buffers hold that many rows) and no context bucket above max_model_len (no key
+    for a context the engine never serves; the attention metadata plans such a context with
+    max_model_len too). A configured largest bucket below the limit stays: past it, eager."""
+    return dataclasses.replace(
+        config, decode_batch_buckets=_fit(config.decode_batch_buckets, max_num_seqs),
+        context_buckets=_fit(config.context_buckets, max_model_len))
 
 
 def _rank() -> int:
