@@ -13,9 +13,8 @@ from benchmarks.modes import MODES
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-def render(doc: dict[str, Any], path: Path) -> Path | None:
-    """Write the plot to `path`; None (with a printed reason) when it cannot."""
-    rows = doc.get("rows", [])
+def _pyplot(rows: list[Any], path: Path, redraw: str) -> Any:
+    """matplotlib.pyplot (Agg), or None with the reason printed: no rows, or no matplotlib."""
     if not rows:
         print("plot: no rows to plot", flush=True)
         return None
@@ -25,12 +24,18 @@ def render(doc: dict[str, Any], path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        print(
-            f"plot: matplotlib is not installed ({exc}); skipping {path.name}. "
-            f"Install it (pip install matplotlib) or re-render later with "
-            f"`python -m benchmarks.decode merge {path.with_suffix('.json')} --name NAME`.",
-            flush=True,
-        )
+        print(f"plot: matplotlib is not installed ({exc}); skipping {path.name}. Install it "
+              f"(pip install matplotlib) and redraw with `{redraw} "
+              f"{path.with_suffix('.json')}`.", flush=True)
+        return None
+    return plt
+
+
+def render(doc: dict[str, Any], path: Path) -> Path | None:
+    """Write the plot to `path`; None (with a printed reason) when it cannot."""
+    rows = doc.get("rows", [])
+    plt = _pyplot(rows, path, "python -m benchmarks.plot decode")
+    if plt is None:
         return None
 
     models = sorted({r["model"] for r in rows})
@@ -101,18 +106,8 @@ def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
     """PNG of a `benchmarks.attn_kernels` JSON: per model, TRITON_ATTN time / ours vs context (a
     line per batch; above 1 = ours faster) and ours as % of the HBM floor (the copy bandwidth)."""
     rows = doc.get("rows", [])
-    if not rows:
-        print("plot: no rows to plot", flush=True)
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        print(f"plot: matplotlib is not installed ({exc}); skipping {path.name}. Install it "
-              f"(pip install matplotlib) and run `python -m benchmarks.plot attn JSON`.",
-              flush=True)
+    plt = _pyplot(rows, path, "python -m benchmarks.plot attn")
+    if plt is None:
         return None
     models = sorted({r["model"] for r in rows})
     batches = sorted({r["batch"] for r in rows})

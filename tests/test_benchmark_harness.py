@@ -823,3 +823,20 @@ def test_interleaved_budget_cuts_whole_passes(
         assert done[("stock_full_decode", b)] == done[("plugin_graphs", b)]
     cut = {(s["mode"], s["batch"]): s["repeats_skipped"] for s in skipped}
     assert all(done[k] + cut[k] == 20 for k in done), (done, cut)
+
+
+def test_plot_cli_redraws_an_attention_grid_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    rows = [dict(model=m, batch=b, context=c, ratio=1.0 + b / 100, pct_hbm=50.0 + c / 1000,
+                 vllm_pct_hbm=40.0) for m in ("qwen3-0.6b", "qwen3-30b-a3b")
+            for b in (1, 8) for c in (512, 2048)]
+    src = tmp_path / "grid.json"
+    src.write_text(json.dumps({"device": "test", "rows": rows}))
+    assert plot.main(["attn", str(src)]) == 0
+    png = tmp_path / "grid.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"rows": []}))
+    assert plot.main(["decode", str(empty)]) == 1 and not (tmp_path / "empty.png").exists()
