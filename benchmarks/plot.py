@@ -31,6 +31,15 @@ def _pyplot(rows: list[Any], path: Path, redraw: str) -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(doc: dict[str, Any], path: Path) -> Path | None:
     """Write the plot to `path`; None (with a printed reason) when it cannot."""
     rows = doc.get("rows", [])
@@ -94,12 +103,7 @@ def render(doc: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("TPOT p50 ms (bars p10-p90)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"decode TPOT: {doc.get('name', '')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"decode TPOT: {doc.get('name', '')}", path)
 
 
 def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
@@ -140,12 +144,7 @@ def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
             ax.set_xlabel("context")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
-    fig.suptitle(f"decode attention vs TRITON_ATTN: {doc.get('device', '')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"decode attention vs TRITON_ATTN: {doc.get('device', '')}", path)
 
 
 def main(argv: list[str] | None = None) -> int:
