@@ -375,8 +375,9 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     def dummy_run(num_tokens, **kw):  # what vLLM's _dummy_run does with the model, in short
         calls.append((num_tokens, kw))
         assert kw["is_graph_capturing"] is False and kw["uniform_decode"] is True
-        r._mg_determined = r._determine_batch_execution_and_padding(
+        mode, desc, *_ = r._determine_batch_execution_and_padding(
             num_tokens, num_tokens, None, 1, False)
+        assert mode is mode_enum.FULL and desc.num_tokens == num_tokens  # the key's bucket
         ids = torch.arange(1, num_tokens + 1, dtype=torch.int32)
         return r.model(input_ids=ids, positions=ids.long())
 
