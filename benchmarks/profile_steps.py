@@ -8,7 +8,11 @@ Used by the mode worker when `BENCH_PROFILE_DIR` is set (`benchmarks/gpu/run.sh`
 2. runs `steps` more under `torch.profiler` (CPU + CUDA): GPU kernel time per step (kernels
    replayed from CUDA graphs included), the top kernels, the top host ranges;
 3. runs `steps` more under `cProfile`: the Python functions of this thread by own and
-   cumulative time (the host side of a step: scheduler, runner, sampler, our hooks).
+   cumulative time (the host side of a step: scheduler, runner, sampler, our hooks); the raw
+   stats go to `<dir>/profile-<model>-<mode>-b<batch>.pstats` (callers and callees, offline);
+4. runs `steps` more with a perf_counter wrapped around the engine's and runner's phase methods
+   (`PHASES`): inclusive wall time per step of each, cheap enough to leave the step's shape
+   intact, and the time the host spent blocked on the GPU (CUDA event waits).
 
 and writes everything to `<dir>/profile-<model>-<mode>.txt`. The profilers slow the host down;
 the GPU kernel times and the relative host breakdown are what to read, the baseline is the
@@ -28,6 +32,36 @@ from typing import Any
 TOP_KERNELS = 25
 TOP_HOST_RANGES = 30
 TOP_FUNCTIONS = 45
+
+# (owner, method) pairs timed by phase 4; owners: "engine" (LLMEngine), "core" (EngineCore),
+# "scheduler", "executor", "runner" (the model runner, V1 or V2); a missing one is skipped.
+PHASES = (
+    ("engine", "step"),
+    ("core", "step_with_batch_queue"),
+    ("core", "step"),
+    ("scheduler", "schedule"),
+    ("scheduler", "update_from_output"),
+    ("output_processor", "process_outputs"),
+    ("executor", "execute_model"),
+    ("executor", "sample_tokens"),
+    ("runner", "execute_model"),
+    ("runner", "sample_tokens"),
+    ("runner", "_update_states"),
+    ("runner", "_prepare_inputs"),
+    ("runner", "_prepare_input_ids"),
+    ("runner", "_determine_batch_execution_and_padding"),
+    ("runner", "_get_slot_mappings"),
+    ("runner", "_build_attention_metadata"),
+    ("runner", "_preprocess"),
+    ("runner", "_model_forward"),
+    ("runner", "_sample"),
+    ("runner", "_bookkeeping_sync"),
+    ("runner", "update_requests"),
+    ("runner", "prepare_inputs"),
+    ("runner", "prepare_attn"),
+    ("runner", "sample"),
+    ("runner", "postprocess_sampled"),
+)
 
 
 class _Decoding:
@@ -129,16 +163,80 @@ def _timed(d: _Decoding, steps: int) -> list[float]:
     return out
 
 
+def _owners(llm: Any) -> dict[str, Any]:
+    """The objects behind `PHASES` owners in an in-process engine (missing ones left out)."""
+    engine = llm.llm_engine
+    out: dict[str, Any] = {"engine": engine,
+                           "output_processor": getattr(engine, "output_processor", None)}
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    out["core"] = core
+    out["scheduler"] = getattr(core, "scheduler", None)
+    executor = getattr(core, "model_executor", None)
+    out["executor"] = executor
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    out["runner"] = getattr(worker, "model_runner", None)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+class _PhaseTimers:
+    """perf_counter around `PHASES` (instance attributes, removed on exit) and around CUDA event
+    waits (torch.cuda.Event.synchronize, class attribute, restored on exit)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.owners = _owners(llm)
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        totals, calls, clock = self.totals, self.calls, time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + clock() - t0
+                calls[label] = calls.get(label, 0) + 1
+        return timed
+
+    def __enter__(self) -> _PhaseTimers:
+        import torch
+
+        for owner, name in PHASES:
+            obj = self.owners.get(owner)
+            fn = getattr(obj, name, None) if obj is not None else None
+            if fn is None or name in vars(obj):
+                continue
+            setattr(obj, name, self._wrap(fn, f"{owner}.{name}"))
+            self._undo.append(lambda obj=obj, name=name: delattr(obj, name))
+        sync = torch.cuda.Event.synchronize
+        torch.cuda.Event.synchronize = self._wrap(sync, "cuda Event.synchronize (GPU wait)")
+        self._undo.append(lambda: setattr(torch.cuda.Event, "synchronize", sync))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+    def report(self, steps: int) -> list[str]:
+        lines = ["phase timers (inclusive us per step, calls per step):"]
+        for label in sorted(self.totals, key=lambda k: -self.totals[k]):
+            lines.append(f"  {self.totals[label] * 1e6 / steps:9.1f}  "
+                         f"{self.calls[label] / steps:5.1f}  {label}")
+        return lines
+
+
 def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
                   make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
-                  label: str) -> str:
+                  label: str, pstats_path: str | None = None) -> str:
     """The report for one batch (text)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     lines = [f"## {label} batch {batch} context {context}: {steps} steps per phase"]
-    d = _Decoding(llm, batch, context, 3 * steps + 24, vocab, make_params, make_prompt,
+    d = _Decoding(llm, batch, context, 4 * steps + 32, vocab, make_params, make_prompt,
                   f"prof-b{batch}")
     try:
         d.until_decoding()
@@ -182,6 +280,8 @@ def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
         _timed(d, steps)
         wall = (time.perf_counter() - t0) * 1e3
         pr.disable()
+        if pstats_path:
+            pr.dump_stats(pstats_path)
         lines.append(f"cProfile: wall {wall / steps:.3f} ms/step (profiled thread only)")
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()
@@ -191,6 +291,11 @@ def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
             start = body.find("   ncalls")
             lines.append(f"-- by {order} (totals over {steps} steps)")
             lines.append(body[start:].rstrip() if start >= 0 else body.rstrip())
+
+        with _PhaseTimers(llm) as timers:
+            timed = _timed(d, steps)
+        lines.append(f"phase-timed steps: p50 {statistics.median(timed):.3f} ms")
+        lines += timers.report(steps)
     finally:
         d.close()
     return "\n".join(lines) + "\n"
@@ -204,11 +309,20 @@ def profile_run(llm: Any, spec: Any, make_params: Callable[[int], Any],
 
     path = os.path.join(out_dir, f"profile-{spec.model}-{spec.mode}.txt")
     context = spec.contexts[0]
+    # Every phase needs live requests: 4 phases of `steps`, the warm-up and the async lag must
+    # fit in max_model_len, or the last phases would time an idle engine.
+    room = int(llm.llm_engine.model_config.max_model_len) - context - 40
+    if room // 4 < steps:
+        print(f"[bench] profile: max_model_len leaves room for {max(room // 4, 0)} steps per "
+              f"phase, not {steps}: raise --decode-tokens for full phases", flush=True)
+        steps = max(room // 4, 1)
     with open(path, "w") as f:
         for batch in spec.batches:
             try:
-                text = profile_batch(llm, batch, context, steps, spec.vocab_size, make_params,
-                                     make_prompt, f"{spec.model} {spec.mode}")
+                text = profile_batch(
+                    llm, batch, context, steps, spec.vocab_size, make_params, make_prompt,
+                    f"{spec.model} {spec.mode}",
+                    os.path.join(out_dir, f"profile-{spec.model}-{spec.mode}-b{batch}.pstats"))
             except Exception as exc:  # noqa: BLE001 - a report line, the run goes on
                 text = f"## batch {batch}: profiling failed: {type(exc).__name__}: {exc}\n"
             f.write(text)

@@ -102,3 +102,33 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     assert kwargs["attention_config"] == {"backend": "CUSTOM"}
     assert PluginConfig.from_additional_config(kwargs["additional_config"]).enabled is False
     assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+
+
+def test_phase_timers_time_phases_and_leave_nothing_behind() -> None:
+    import torch
+
+    class Scheduler:
+        def schedule(self) -> str:
+            return "scheduled"
+
+    class Runner:
+        def execute_model(self, x: int) -> int:
+            return x + 1
+
+    scheduler, runner = Scheduler(), Runner()
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(
+        model_runner=runner)))
+    core = SimpleNamespace(scheduler=scheduler, model_executor=executor)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+    llm = SimpleNamespace(llm_engine=engine)
+    sync = torch.cuda.Event.synchronize
+    with profile_steps._PhaseTimers(llm) as timers:
+        assert scheduler.schedule() == "scheduled"
+        assert runner.execute_model(1) == 2 and runner.execute_model(2) == 3
+        assert torch.cuda.Event.synchronize is not sync
+    assert timers.calls == {"scheduler.schedule": 1, "runner.execute_model": 2}
+    assert "schedule" not in vars(scheduler) and "execute_model" not in vars(runner)
+    assert torch.cuda.Event.synchronize is sync
+    report = timers.report(steps=2)
+    assert report[0].startswith("phase timers")
+    assert any(line.endswith("1.0  runner.execute_model") for line in report)
