@@ -241,6 +241,9 @@ def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
     if summary:
         print(summary, flush=True)
     print(report.format_table(doc), flush=True)
+    paired = report.format_repeat_summary(doc)
+    if paired:
+        print(paired, flush=True)
     return 0 if doc["rows"] else EXIT_NO_ROWS
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -277,4 +278,49 @@ def format_ratio_summary(doc: dict[str, Any]) -> str:
             f"{model} b{batch} c{context}: best stock graphs {best} "
             f"{tpot[best]:.3f} ms; {others or 'nothing else measured'}"
         )
+    return "\n".join(lines)
+
+
+def repeat_summary(doc: dict[str, Any], plugin: str = "plugin_graphs") -> list[dict[str, Any]]:
+    """Per point with `plugin` and a stock graph mode measured over >= 2 repeats each: every
+    mode's median of its per-repeat p50s, the best stock graph mode by that median, and the
+    paired ratio: for each repeat r, min over the stock graph modes of their r-th p50 over the
+    plugin's r-th p50, median over r. With `--interleave` the modes of one repeat ran back to
+    back, so a host that slows down for a while slows all of them alike and pairing cancels it
+    (the per-repeat minimum over stock modes leans towards stock: a conservative ratio)."""
+    points: dict[tuple[str, int, int], dict[str, list[float]]] = {}
+    for r in doc["rows"]:
+        reps = r.get("repeat_p50_ms") or []
+        if len(reps) >= 2:
+            points.setdefault((r["model"], r["batch"], r["context"]), {})[r["mode"]] = reps
+    out = []
+    for (model, batch, context), reps in sorted(points.items()):
+        graphs = [m for m in STOCK_GRAPH_MODES if m in reps]
+        if plugin not in reps or not graphs:
+            continue
+        medians = {m: statistics.median(v) for m, v in reps.items()}
+        best = min(graphs, key=lambda m: medians[m])
+        n = min(len(reps[m]) for m in (*graphs, plugin))
+        paired = [min(reps[m][i] for m in graphs) / reps[plugin][i] for i in range(n)]
+        out.append({"model": model, "batch": batch, "context": context, "repeats": n,
+                    "median_ms": {m: round(v, 4) for m, v in medians.items()},
+                    "best_stock": best,
+                    "best_stock_over_plugin": round(medians[best] / medians[plugin], 4),
+                    "paired_ratio_median": round(statistics.median(paired), 4),
+                    "paired_ratio_min": round(min(paired), 4),
+                    "paired_ratio_max": round(max(paired), 4)})
+    return out
+
+
+def format_repeat_summary(doc: dict[str, Any]) -> str:
+    """`repeat_summary` as text: one line per point (empty when no point qualifies)."""
+    lines = []
+    for s in repeat_summary(doc):
+        med = s["median_ms"]
+        modes = ", ".join(f"{m} {med[m]:.3f}" for m in sorted(med, key=_mode_order))
+        lines.append(
+            f"{s['model']} b{s['batch']} c{s['context']} ({s['repeats']} repeats), median of "
+            f"per-repeat p50s: {modes}; best stock {s['best_stock']} / plugin_graphs "
+            f"x{s['best_stock_over_plugin']:.2f}; paired per repeat x{s['paired_ratio_median']:.2f}"
+            f" (min {s['paired_ratio_min']:.2f}, max {s['paired_ratio_max']:.2f})")
     return "\n".join(lines)

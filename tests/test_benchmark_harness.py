@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -295,6 +296,29 @@ def test_ratios_with_plugin_rows() -> None:
     assert ratios[f"tpot_plugin_eager_over_plugin_graphs{at}"] == 8.2
     assert ratios[f"tpot_plugin_eager_over_stock_graphs{at}"] == 5.125
     assert len(ratios) == 5
+
+
+def test_repeat_summary_pairs_repeats() -> None:
+    def rep(mode: str, reps: list[float], batch: int = 8) -> dict:
+        return {**_row("qwen3-0.6b", batch, 512, mode, statistics.median(reps)),
+                "repeat_p50_ms": reps}
+
+    # Repeat 2 ran on a slow host for everyone: pairing cancels it.
+    rows = [rep("stock_graphs", [1.6, 3.2, 1.7]), rep("stock_full_decode", [1.5, 3.1, 1.8]),
+            rep("plugin_graphs", [1.25, 2.5, 1.5]), rep("stock_eager", [20.0, 21.0, 22.0]),
+            rep("plugin_graphs", [1.0], batch=1), rep("stock_graphs", [1.1], batch=1)]
+    doc = report.assemble("t", {}, rows, {}, [], [])
+    (s,) = report.repeat_summary(doc)  # batch 1 has one repeat: left out
+    assert s["batch"] == 8 and s["repeats"] == 3 and s["best_stock"] == "stock_graphs"
+    assert s["median_ms"] == {"stock_graphs": 1.7, "stock_full_decode": 1.8,
+                              "plugin_graphs": 1.5, "stock_eager": 21.0}
+    assert s["best_stock_over_plugin"] == round(1.7 / 1.5, 4)
+    # per repeat: min(1.6, 1.5)/1.25 = 1.2, min(3.2, 3.1)/2.5 = 1.24, min(1.7, 1.8)/1.5 = 1.1333
+    assert s["paired_ratio_median"] == 1.2
+    assert (s["paired_ratio_min"], s["paired_ratio_max"]) == (1.1333, 1.24)
+    text = report.format_repeat_summary(doc)
+    assert "qwen3-0.6b b8 c512 (3 repeats)" in text and "paired per repeat x1.20" in text
+    assert report.format_repeat_summary(report.assemble("t", {}, rows[4:], {}, [], [])) == ""
 
 
 def test_percentile_and_build_rows() -> None:
