@@ -210,9 +210,10 @@ class _PhaseTimers:
                 continue
             setattr(obj, name, self._wrap(fn, f"{owner}.{name}"))
             self._undo.append(lambda obj=obj, name=name: delattr(obj, name))
-        sync = torch.cuda.Event.synchronize
-        torch.cuda.Event.synchronize = self._wrap(sync, "cuda Event.synchronize (GPU wait)")
-        self._undo.append(lambda: setattr(torch.cuda.Event, "synchronize", sync))
+        sync = getattr(torch.cuda.Event, "synchronize", None)  # None: a CPU-only build
+        if sync is not None:
+            torch.cuda.Event.synchronize = self._wrap(sync, "cuda Event.synchronize (GPU wait)")
+            self._undo.append(lambda: setattr(torch.cuda.Event, "synchronize", sync))
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,3 +133,32 @@ def test_phase_timers_time_phases_and_leave_nothing_behind() -> None:
     report = timers.report(steps=2)
     assert report[0].startswith("phase timers")
     assert any(line.endswith("1.0  runner.execute_model") for line in report)
+
+
+def test_host_phases_times_a_real_cpu_engine(cpu_vllm: str) -> None:
+    """benchmarks.host_phases on vLLM's CPU build: the V1 runner's and the engine's phases are
+    found and timed once per decode step."""
+    import subprocess
+    import sys
+
+    from tests.serve_util import cpu_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_phases", "--batches", "1,2", "--steps", "4",
+         "--context", "8"], cwd=REPO, capture_output=True, text=True, timeout=600,
+        env=cpu_env(cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "## batch 1 context 8: 4 steps" in out and "## batch 2 context 8: 4 steps" in out
+    for phase in ("engine.step", "scheduler.schedule", "runner.execute_model",
+                  "runner._prepare_inputs", "runner.sample_tokens",
+                  "output_processor.process_outputs"):
+        # one call per step, in both tables
+        assert len(re.findall(rf"\s1\.0  {re.escape(phase)}$", out, re.M)) == 2, phase
+
+
+def test_host_phases_refuses_bad_arguments() -> None:
+    from benchmarks import host_phases
+
+    with pytest.raises(SystemExit):
+        host_phases.main(["--batches", "0,8"])
