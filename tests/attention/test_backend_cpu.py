@@ -478,6 +478,64 @@ def test_build_uses_persistent_buffers(env):
     assert second.block_table.stride(0) == env.builder.max_blocks  # one stride for every step
 
 
+def _in_place(env: Env, batch: Batch, extra_cols: int = 3):
+    """vLLM-style persistent buffers at the largest batch (a wider block table than ours, to
+    show the row stride is read), filled with `batch`; the batch's metadata re-pointed at
+    views of them, as V1's _build_attention_metadata hands them over."""
+    dev, n = env.device, batch.cm.num_reqs
+    qsl = torch.full((MAX_NUM_SEQS + 1,), -7, dtype=torch.int32, device=dev)
+    seq = torch.full((MAX_NUM_SEQS,), -7, dtype=torch.int32, device=dev)
+    table = torch.full((MAX_NUM_SEQS, env.builder.max_blocks + extra_cols), -7,
+                       dtype=torch.int32, device=dev)
+    qsl[: n + 1] = batch.cm.query_start_loc
+    seq[:n] = batch.cm.seq_lens
+    table[:n, : env.builder.max_blocks] = batch.cm.block_table_tensor
+    cm = batch.cm.replace(query_start_loc=qsl[: n + 1], seq_lens=seq[:n],
+                          block_table_tensor=table[:n])
+    return (qsl, seq, table), dataclasses.replace(batch, cm=cm)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,pad", [
+    ([1, 1], [70, 129], 0),  # split-K on CPU
+    ([1, 1, 1], [17, 1, 40], 1),  # a padded FULL-graph row
+    ([1, 7, 20], [33, 40, 20], 1),  # mixed: the prefill kernel
+])
+def test_build_in_place_reads_vllm_buffers(env, q_lens, seq_lens, pad):
+    builder = env.builder
+    batch = _batch(env, q_lens, seq_lens, pad_reqs=pad, pad_tokens=pad)
+    (qsl, seq, table), batch = _in_place(env, batch)
+    own = (builder._query_start_loc.clone(), builder._seq_lens.clone(),
+           builder._block_table.clone())
+    builder.read_in_place(qsl, seq, table)
+    try:
+        md = builder.build(0, batch.cm)
+        assert (md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
+                md.block_table.data_ptr()) == (qsl.data_ptr(), seq.data_ptr(), table.data_ptr())
+        assert md.block_table.stride(0) == builder.max_blocks + 3
+        for before, after in zip(own, (builder._query_start_loc, builder._seq_lens,
+                                       builder._block_table)):
+            assert torch.equal(before, after), "in place, the builder's buffers stay untouched"
+        out = _run_layer(env, batch, md)
+        _assert_kv_written(env, batch)
+        _assert_matches_reference(env, batch, out)
+        # a step whose metadata views other tensors gets the copies, as without read_in_place
+        other = builder.build(0, _batch(env, q_lens, seq_lens, pad_reqs=pad, pad_tokens=pad).cm)
+        assert other.seq_lens.data_ptr() == builder._seq_lens.data_ptr()
+    finally:
+        builder._in_place = None
+
+
+def test_read_in_place_refuses_what_is_not_a_vllm_buffer(env):
+    dev = env.device
+    good = torch.zeros(MAX_NUM_SEQS, dtype=torch.int32, device=dev)
+    table = torch.zeros(MAX_NUM_SEQS, 4, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="seq_lens must be a 1-D int32 tensor"):
+        env.builder.read_in_place(good, good.long(), table)
+    with pytest.raises(ValueError, match="block_table must be a 2-D int32"):
+        env.builder.read_in_place(good, good, table.t())
+    assert env.builder._in_place is None
+
+
 def test_build_mixed_batch(env):
     # decode row + chunked prefill (cached prefix) + fresh prefill, one padded request
     batch = _batch(env, [1, 7, 20], [33, 40, 20], pad_reqs=1, pad_tokens=4)

@@ -242,6 +242,31 @@ def test_a_swapped_layer_tensor_is_seen_by_the_per_step_check():
     assert r.moe_storage.proof().reason.value == "storage_identity_changed"
 
 
+def test_bind_lets_our_metadata_builders_read_vllm_buffers_in_place():
+    import types
+
+    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+
+    class Recording(MoeGraphsMetadataBuilder):
+        def __init__(self) -> None:  # no vLLM config needed: only read_in_place is called
+            self.calls = []
+
+        def read_in_place(self, *buffers) -> None:
+            self.calls.append(buffers)
+
+    r = _bare_runner({"model.layers.0.self_attn.attn": _kv()})
+    ours, theirs = Recording(), types.SimpleNamespace()  # another backend's builder: left alone
+    r.attn_groups = [[types.SimpleNamespace(get_metadata_builder=lambda: ours),
+                      types.SimpleNamespace(get_metadata_builder=lambda: theirs)]]
+    table = r.input_batch.block_table.block_tables[0].block_table.gpu
+    for mode, calls in (("FULL_DECODE_ONLY", 0), ("NONE", 1)):
+        r.compilation_config.cudagraph_mode = types.SimpleNamespace(name=mode)
+        r._mg_metadata_in_place()
+        assert len(ours.calls) == calls, mode  # vLLM's own capture rewrites seq_lens: not then
+    ((qsl, seq_lens, block_table),) = ours.calls
+    assert qsl is r.query_start_loc.gpu and seq_lens is r.seq_lens and block_table is table
+
+
 def test_our_runner_attributes_do_not_collide_with_vllm():
     # vLLM's runner has its own `_moe_*` attributes (e.g. `_moe_model` for EPLB); every name our
     # subclass assigns or defines must be one vLLM's GPUModelRunner never uses.

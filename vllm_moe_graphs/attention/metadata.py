@@ -11,6 +11,13 @@ change, so a CUDA graph captured over one step reads the next step's data after 
 build(). build() fills all of them whichever kernel it picks, because a FULL graph replays the
 kernel it captured: vLLM may replay a mixed-batch graph for a decode-only step.
 
+In place: the plugin's model runner hands the builder vLLM's own persistent buffers
+(`read_in_place`: V1's query_start_loc, seq_lens and this group's block table, which V1 fills
+at fixed addresses every step and which the KV storage's identity covers). A step whose
+metadata views exactly those buffers is then planned without the three device-to-device
+copies: the kernels read vLLM's buffers, as vLLM's own backends do. Any other step (another
+runner, vLLM's own capture) keeps the copies.
+
 Kernel choice (host ints only): `max_query_len == 1` -> paged_decode_attention over B rows, with
 `num_splits` a pure function of (B, context bucket, kv heads, SM count); any other batch ->
 paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too).
@@ -63,7 +70,8 @@ def context_bucket(buckets: tuple[int, ...], max_seq_len: int) -> int:
 class MoeGraphsAttentionMetadata:
     """Per-step attention inputs, shared by every layer of one attention group.
 
-    The tensors are views of the builder's persistent buffers (fixed addresses).
+    The tensors are views of persistent buffers (fixed addresses): the builder's, or vLLM's own
+    when the runner let the builder read them in place.
     """
 
     num_actual_tokens: int  # T: query rows the prefill kernel may read and write
@@ -80,10 +88,11 @@ class MoeGraphsAttentionMetadata:
 
 
 class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetadata]):
-    """Plans one step: host work plus copies into persistent buffers; never syncs.
+    """Plans one step: host work plus copies into persistent buffers (or none, in place);
+    never syncs.
 
     ALWAYS: every kernel launch depends only on shapes and host constants, and every tensor it
-    reads lives in a persistent buffer filled here, so decode-only, uniform (spec-decode) and
+    reads lives in a persistent buffer (filled here, or by vLLM in place), so decode-only, uniform (spec-decode) and
     mixed prefill/decode batches can all be captured. Both runners key FULL graphs on (T, B), the
     only shapes the launch grids depend on.
     """
@@ -124,6 +133,8 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         # floats as [B, Hq, S, D + 2]. S shrinks as B grows, so the largest need is max_b b*S(b)
         # rows, far less than max_num_seqs * max_splits.
         self._workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=device)
+        # data_ptr()s of the runner buffers build() may read in place (see read_in_place)
+        self._in_place: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------------- plan
 
@@ -132,6 +143,26 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         if num_reqs < 1:
             return 1
         return choose_num_splits(num_reqs, self.num_heads_kv, bucket, self.num_sms)
+
+    def read_in_place(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor) -> None:
+        """Let build() read these runner buffers in place instead of copying them: a step whose
+        CommonAttentionMetadata views exactly them (same start addresses) gets metadata that
+        views them too. The caller vouches that they stay at these addresses, are filled before
+        every forward (padded rows: seq_len 0) and are part of the KV storage's identity, so a
+        captured graph never reads a freed buffer."""
+        for name, t, dims in (("query_start_loc", query_start_loc, 1), ("seq_lens", seq_lens, 1),
+                              ("block_table", block_table, 2)):
+            if t.dtype != torch.int32 or t.dim() != dims or t.stride(-1) != 1:
+                raise ValueError(
+                    f"{name} must be a {dims}-D int32 tensor with a unit last stride (vLLM's "
+                    f"persistent buffer), got {t.dtype} shape {tuple(t.shape)} strides "
+                    f"{t.stride()}")
+            if t.device != self._seq_lens.device:
+                raise ValueError(f"{name} is on {t.device}, the builder on "
+                                 f"{self._seq_lens.device}")
+        self._in_place = (query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                          block_table.data_ptr())
 
     def build(
         self,
@@ -156,21 +187,29 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
                 f"batch of {num_reqs} requests exceeds max_num_seqs={self.max_num_reqs}, the "
                 "size the attention metadata buffers were allocated for"
             )
-        # NOTE: graph safety. Only device-to-device copies into the persistent buffers, enqueued
-        # on the current stream before the forward: no host read of device data, no allocation.
-        # The host ints (num_reqs, max_query_len, max_seq_len) come from the scheduler.
-        query_start_loc = self._query_start_loc[: num_reqs + 1]
-        query_start_loc.copy_(cm.query_start_loc[: num_reqs + 1], non_blocking=True)
-        seq_lens = self._seq_lens[:num_reqs]
-        seq_lens.copy_(cm.seq_lens[:num_reqs], non_blocking=True)
-        block_table = self._block_table[:num_reqs]
-        # Columns past cdiv(max_seq_len, BS) are never read for this step (max_seq_len bounds
-        # every seq_len), so only the leading ones are copied.
-        cols = min(
-            _cdiv(cm.max_seq_len, self.block_size), self.max_blocks, cm.block_table_tensor.shape[1]
-        )
-        if num_reqs > 0 and cols > 0:
-            block_table[:, :cols].copy_(cm.block_table_tensor[:num_reqs, :cols], non_blocking=True)
+        # NOTE: graph safety. Views of buffers at fixed addresses only: vLLM's own (in place,
+        # host pointer compares) or ours, filled by device-to-device copies enqueued on the
+        # current stream before the forward. No host read of device data, no allocation. The
+        # host ints (num_reqs, max_query_len, max_seq_len) come from the scheduler.
+        if self._in_place is not None and self._in_place == (
+                cm.query_start_loc.data_ptr(), cm.seq_lens.data_ptr(),
+                cm.block_table_tensor.data_ptr()):
+            query_start_loc = cm.query_start_loc[: num_reqs + 1]
+            seq_lens = cm.seq_lens[:num_reqs]
+            block_table = cm.block_table_tensor[:num_reqs]
+        else:
+            query_start_loc = self._query_start_loc[: num_reqs + 1]
+            query_start_loc.copy_(cm.query_start_loc[: num_reqs + 1], non_blocking=True)
+            seq_lens = self._seq_lens[:num_reqs]
+            seq_lens.copy_(cm.seq_lens[:num_reqs], non_blocking=True)
+            block_table = self._block_table[:num_reqs]
+            # Columns past cdiv(max_seq_len, BS) are never read for this step (max_seq_len
+            # bounds every seq_len), so only the leading ones are copied.
+            cols = min(_cdiv(cm.max_seq_len, self.block_size), self.max_blocks,
+                       cm.block_table_tensor.shape[1])
+            if num_reqs > 0 and cols > 0:
+                block_table[:, :cols].copy_(cm.block_table_tensor[:num_reqs, :cols],
+                                            non_blocking=True)
 
         decode = cm.max_query_len == 1
         bucket = context_bucket(self.context_buckets, cm.max_seq_len)

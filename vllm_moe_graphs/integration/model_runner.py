@@ -430,9 +430,27 @@ class MoeGraphsModelRunner(GPUModelRunner):
             self.moe_storage.invalidate(match.detail)
         ctx = self.compilation_config.static_forward_context
         self._mg_kv_watch = tuple((ctx[name], t) for name, t in kv.items())
+        self._mg_metadata_in_place()
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.moe_storage.generation,
                     self.moe_storage.proof().reason.value)
+
+    def _mg_metadata_in_place(self) -> None:
+        """Let our metadata builders read vLLM's persistent query_start_loc, seq_lens and block
+        tables in place (no per-step copies): they are in the storage's identity just bound.
+        Only while vLLM's own capture is off (its capture path rewrites seq_lens)."""
+        from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+
+        own = self.compilation_config.cudagraph_mode
+        if own is not None and own.name != "NONE":
+            return
+        tables = self.input_batch.block_table.block_tables
+        for gid, groups in enumerate(self.attn_groups):
+            for group in groups:
+                builder = group.get_metadata_builder()
+                if isinstance(builder, MoeGraphsMetadataBuilder) and gid < len(tables):
+                    builder.read_in_place(self.query_start_loc.gpu, self.seq_lens,
+                                          tables[gid].block_table.gpu)
 
     def _mg_drop_graphs(self, event: str) -> None:
         """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
