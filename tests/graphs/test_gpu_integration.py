@@ -105,7 +105,22 @@ def swap_first_kv(model):
     return None
 
 
+def metadata_copies():
+    # Back to the builders' own buffers (per-step copies) instead of reading vLLM's in place.
+    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    builders = [g.get_metadata_builder() for groups in runner.attn_groups for g in groups]
+    reset = [b for b in builders
+             if isinstance(b, MoeGraphsMetadataBuilder) and b._in_place is not None]
+    for b in reset:
+        b._in_place = None
+    return len(reset)
+
+
 for phase in spec["phases"]:
+    if phase.get("metadata_copies"):
+        phase = {**phase, "in_place_builders_reset": metadata_copies()}
     if phase.get("sleep"):
         llm.sleep(level=1)
         llm.wake_up()
@@ -299,11 +314,23 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
 
     path = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
     vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
-    result = run_engine(tmp_path, "tiny", _llm_kwargs(path), _prompts(vocab), parity_phases(),
+    # last: batch 8 eager again, the attention metadata copied into the builder's own buffers
+    # (the path of vLLM's runners) instead of read from vLLM's in place: the same tokens show
+    # the in-place metadata right, not only graph and eager alike
+    phases = parity_phases() + [{"batch": 8, "kill": True, "metadata_copies": True}]
+    result = run_engine(tmp_path, "tiny", _llm_kwargs(path), _prompts(vocab), phases,
                         redraw=False)
     summary = check_parity(result)
+    p = result["phases"]
+    summary["metadata_copies"] = {
+        "builders_reset": p[-1]["in_place_builders_reset"],
+        "identical_to_in_place": sum(a == b for a, b in zip(p[3]["tokens"], p[-1]["tokens"],
+                                                            strict=True))}
     report("parity-tiny-checkpoint", summary)
     assert_parity(summary)
+    assert p[3]["batch"] == 8 and p[3]["kill"], p[3]
+    assert summary["metadata_copies"]["builders_reset"] > 0, summary["metadata_copies"]
+    assert summary["metadata_copies"]["identical_to_in_place"] == NUM_PROMPTS, summary
 
 
 def test_experimental_kernels_keep_parity(tmp_path):
