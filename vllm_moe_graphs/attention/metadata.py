@@ -92,9 +92,9 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
     never syncs.
 
     ALWAYS: every kernel launch depends only on shapes and host constants, and every tensor it
-    reads lives in a persistent buffer (filled here, or by vLLM in place), so decode-only, uniform (spec-decode) and
-    mixed prefill/decode batches can all be captured. Both runners key FULL graphs on (T, B), the
-    only shapes the launch grids depend on.
+    reads lives in a persistent buffer (filled here, or by vLLM in place), so decode-only,
+    uniform (spec-decode) and mixed prefill/decode batches can all be captured. Both runners key
+    FULL graphs on (T, B), the only shapes the launch grids depend on.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
