@@ -386,7 +386,7 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     import torch
 
     from vllm_moe_graphs.graphs.buckets import GraphKey
-    from vllm_moe_graphs.integration.model_runner import graph_config
+    from vllm_moe_graphs.graphs.buckets import graph_config
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=3)
     r.max_model_len = 4096
@@ -423,7 +423,7 @@ def test_precapture_plans_each_key_at_its_context_bucket():
 
 def test_graph_config_fits_buckets_to_the_engine():
     from vllm_moe_graphs.config import PluginConfig
-    from vllm_moe_graphs.integration.model_runner import graph_config
+    from vllm_moe_graphs.graphs.buckets import graph_config
 
     cfg = PluginConfig(decode_batch_buckets=(1, 8, 64, 256),
                        context_buckets=(2048, 8192, 32768, 131072))

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.config import PluginConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -51,3 +52,20 @@ def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tu
     shared pool's memory)."""
     return tuple(sorted((GraphKey(b, c) for b in batch_buckets for c in context_buckets),
                         reverse=True))
+
+
+def _fit(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """`buckets` capped at `limit`: when one reaches it, those at or past it become `limit`."""
+    if buckets[-1] < limit:
+        return buckets
+    return tuple(b for b in buckets if b < limit) + (limit,)
+
+
+def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
+    """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
+    persistent buffers hold that many rows) and no context bucket above max_model_len (no key
+    for a context the engine never serves; the attention metadata plans such a context with
+    max_model_len too). A configured largest bucket below the limit stays: past it, eager."""
+    return dataclasses.replace(
+        config, decode_batch_buckets=_fit(config.decode_batch_buckets, max_num_seqs),
+        context_buckets=_fit(config.context_buckets, max_model_len))

@@ -64,7 +64,6 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -77,7 +76,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.graphs.buckets import GraphKey
+from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
 from vllm_moe_graphs.graphs.runner import Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
@@ -141,23 +140,6 @@ def _metrics_sink() -> InvalidationSink | None:
     from vllm_moe_graphs.metrics import recorder
 
     return recorder(_rank())
-
-
-def _fit(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
-    """`buckets` capped at `limit`: when one reaches it, those at or past it become `limit`."""
-    if buckets[-1] < limit:
-        return buckets
-    return tuple(b for b in buckets if b < limit) + (limit,)
-
-
-def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
-    """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
-    persistent buffers hold that many rows) and no context bucket above max_model_len (no key
-    for a context the engine never serves; the attention metadata plans such a context with
-    max_model_len too). A configured largest bucket below the limit stays: past it, eager."""
-    return dataclasses.replace(
-        config, decode_batch_buckets=_fit(config.decode_batch_buckets, max_num_seqs),
-        context_buckets=_fit(config.context_buckets, max_model_len))
 
 
 def _rank() -> int:
