@@ -46,6 +46,9 @@ class PluginConfig:
     # Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
     # (integration/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
     fuse_qk_norm_rope: bool = True
+    # Pure-decode steps prepare vLLM's input buffers on the host with four copies
+    # (integration/decode_inputs.py) instead of vLLM's general path; false: vLLM's path.
+    fast_decode_inputs: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -142,5 +145,6 @@ _PARSERS = {
     "precapture": _bool,
     "small_m_gemm": _bool_or_auto,
     "fuse_qk_norm_rope": _bool,
+    "fast_decode_inputs": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

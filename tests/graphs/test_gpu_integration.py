@@ -106,7 +106,8 @@ def swap_first_kv(model):
 
 
 def metadata_copies():
-    # Back to the builders' own buffers (per-step copies) instead of reading vLLM's in place.
+    # Back to the builders' own buffers (per-step copies) instead of reading vLLM's in place,
+    # and to vLLM's _prepare_inputs instead of the plugin's DecodeInputs.
     from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
@@ -115,12 +116,14 @@ def metadata_copies():
              if isinstance(b, MoeGraphsMetadataBuilder) and b._in_place is not None]
     for b in reset:
         b._in_place = None
-    return len(reset)
+    fast_steps = runner._mg_inputs.steps if runner._mg_inputs is not None else 0
+    runner._mg_inputs = None
+    return {"in_place_builders_reset": len(reset), "fast_input_steps_before": fast_steps}
 
 
 for phase in spec["phases"]:
     if phase.get("metadata_copies"):
-        phase = {**phase, "in_place_builders_reset": metadata_copies()}
+        phase = {**phase, **metadata_copies()}
     if phase.get("sleep"):
         llm.sleep(level=1)
         llm.wake_up()
@@ -315,8 +318,9 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
     path = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
     vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
     # last: batch 8 eager again, the attention metadata copied into the builder's own buffers
-    # (the path of vLLM's runners) instead of read from vLLM's in place: the same tokens show
-    # the in-place metadata right, not only graph and eager alike
+    # (the path of vLLM's runners) instead of read from vLLM's in place, and the inputs prepared
+    # by vLLM's _prepare_inputs instead of DecodeInputs: the same tokens show both right, not
+    # only graph and eager alike
     phases = parity_phases() + [{"batch": 8, "kill": True, "metadata_copies": True}]
     result = run_engine(tmp_path, "tiny", _llm_kwargs(path), _prompts(vocab), phases,
                         redraw=False)
@@ -324,12 +328,14 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
     p = result["phases"]
     summary["metadata_copies"] = {
         "builders_reset": p[-1]["in_place_builders_reset"],
+        "fast_input_steps_before": p[-1]["fast_input_steps_before"],
         "identical_to_in_place": sum(a == b for a, b in zip(p[3]["tokens"], p[-1]["tokens"],
                                                             strict=True))}
     report("parity-tiny-checkpoint", summary)
     assert_parity(summary)
     assert p[3]["batch"] == 8 and p[3]["kill"], p[3]
     assert summary["metadata_copies"]["builders_reset"] > 0, summary["metadata_copies"]
+    assert summary["metadata_copies"]["fast_input_steps_before"] > 0, summary["metadata_copies"]
     assert summary["metadata_copies"]["identical_to_in_place"] == NUM_PROMPTS, summary
 
 

@@ -18,6 +18,7 @@ method                                  | parameters after self                 
 `reload_weights`                        | weights_iterator, weights_path, is_checkpoint_format | invalidate
 `shutdown`                              |                                                      | close
 `execute_model`                         | scheduler_output, intermediate_tensors               | step scope
+`_prepare_inputs`                       | scheduler_output, num_scheduled_tokens               | decode inputs
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | decide, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
 `capture_model`                         |                                                      | precapture
@@ -26,18 +27,18 @@ storage: read the plugin config, create the one `PagedKVStorage`; register: clas
 and its attention layers by exact type (and, when configured, give its linear layers the small-M
 GEMM, `integration/linear.py`, and its attention the fused q/k norm + RoPE,
 `integration/qk_norm_rope.py`); bind: phase profiling or serving; graphs: create the
-`DecodeGraphRunner` once the serving bind holds. Each hook runs after super(), except the
-unbind (super frees the memory it must release), close (also when super raises) and the
-per-step ones below.
+`DecodeGraphRunner` (and `DecodeInputs`) once the serving bind holds. Each hook runs after
+super(), except the unbind (super frees the memory it must release), close (also when super
+raises) and the per-step ones below.
 
-Per step (`execute_model`): vLLM prepares inputs in its persistent buffers, then asks
-`_determine_batch_execution_and_padding`; ours asks `DecodeGraphRunner.decide()` with host ints
-only (rows, the longest context from `optimistic_seq_lens_cpu`, pure decode or not). On a graph
-path (replay, capture, warm-up) it returns vLLM's FULL runtime mode with a `BatchDescriptor` of
-the bucket, so vLLM pads inputs, slot mapping (-1) and attention metadata (seq_len 0, null block)
-to the bucket exactly as for its own FULL graphs; an eager fallback returns vLLM's unpadded
-NONE. `_model_forward` then runs the step through the `DecodeGraphRunner`, which hands back only
-the real rows.
+Per step (`execute_model`): inputs go to vLLM's persistent buffers (a pure-decode step's through
+`integration/decode_inputs.py`, any other through vLLM), then `_determine_batch_execution_and_
+padding` asks `DecodeGraphRunner.decide()` with host ints only (rows, the longest context from
+`optimistic_seq_lens_cpu`, pure decode or not). On a graph path (replay, capture, warm-up) it
+returns vLLM's FULL runtime mode with a `BatchDescriptor` of the bucket, so vLLM pads inputs,
+slot mapping (-1) and attention metadata (seq_len 0, null block) to the bucket as for its own
+FULL graphs; an eager fallback returns vLLM's unpadded NONE. `_model_forward` then runs the
+step through the `DecodeGraphRunner`, which hands back only the real rows.
 
 Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (precapture).
 
@@ -78,6 +79,8 @@ from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
 from vllm_moe_graphs.graphs.runner import Decision, DecodeGraphRunner
+from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
+from vllm_moe_graphs.integration.precapture import PrecaptureModel
 from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
@@ -104,6 +107,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "reload_weights": ("self", "weights_iterator", "weights_path", "is_checkpoint_format"),
     "shutdown": ("self",),
     "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
+    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
     "_determine_batch_execution_and_padding": (
         "self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens",
         "use_cascade_attn", "allow_microbatching", "force_eager", "force_uniform_decode",
@@ -146,25 +150,6 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-class _PrecaptureModel:
-    """Stands in for `self.model` during `capture_model`: vLLM's `_dummy_run` prepares a padded
-    decode batch under its forward context and calls the model; this captures that key."""
-
-    def __init__(self, runner: MoeGraphsModelRunner, key: GraphKey) -> None:
-        self._runner, self._key = runner, key
-
-    def __call__(self, **kwargs: Any) -> torch.Tensor:
-        r = self._runner
-        r._mg_args = kwargs
-        graphs = r._mg_graphs
-        result = graphs.precapture([self._key])[self._key]
-        out = graphs.output(self._key) if result is Reason.ELIGIBLE else None
-        return out if out is not None else r._mg_model(**kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner._mg_model, name)
-
-
 class MoeGraphsModelRunner(GPUModelRunner):
     """V1 runner with our decode graphs (see the module docstring)."""
 
@@ -182,6 +167,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self._mg_real_model: Any = None  # the model while capture_model swaps in the shim
         self._mg_linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
         self._mg_fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
+        self._mg_inputs: DecodeInputs | None = None  # fast_decode_inputs, once serving is bound
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -206,6 +192,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self._mg_bind(Phase.PROFILING if is_profiling else Phase.SERVING)
         if not is_profiling:
             self._mg_start_graphs()
+            self._mg_start_decode_inputs()
 
     def _cleanup_profiling_kv_cache(self) -> None:
         # NOTE: unbind first: the storage holds strong references, and super() drops vLLM's and
@@ -248,6 +235,12 @@ class MoeGraphsModelRunner(GPUModelRunner):
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._mg_executing, self._mg_pending, self._mg_args = False, None, {}
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput,
+                        num_scheduled_tokens: np.ndarray) -> tuple[Any, ...]:
+        if self._mg_inputs and self._mg_executing and pure_decode(self, scheduler_output):
+            return self._mg_inputs.prepare(self, scheduler_output)
+        return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
 
     def _determine_batch_execution_and_padding(
         self,
@@ -299,9 +292,8 @@ class MoeGraphsModelRunner(GPUModelRunner):
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
         d, max_context = pending
-        self._mg_args = dict(input_ids=input_ids, positions=positions,
-                             intermediate_tensors=intermediate_tensors,
-                             inputs_embeds=inputs_embeds, **model_kwargs)
+        self._mg_args = dict(input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds,
+                             intermediate_tensors=intermediate_tensors, **model_kwargs)
         out, _ = self._mg_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
                                      decision=d)
         return out
@@ -321,7 +313,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         try:
             for i, key in enumerate(keys):
                 self._mg_precapture_key = key
-                self.model = _PrecaptureModel(self, key)
+                self.model = PrecaptureModel(self, key)
                 try:
                     # NOTE: every row at the key's context bucket, as a real step of that key
                     # would plan it (the decode kernel's split count is a function of the
@@ -488,6 +480,14 @@ class MoeGraphsModelRunner(GPUModelRunner):
                     list(config.decode_batch_buckets),
                     list(config.context_buckets), self.moe_config.warmup_steps,
                     self.moe_config.graph_memory_budget_mib)
+
+    def _mg_start_decode_inputs(self) -> None:
+        """Pure-decode steps prepare their inputs in `DecodeInputs` (fast_decode_inputs)."""
+        if self.moe_config.fast_decode_inputs and self._mg_graphs and not self._mg_inputs:
+            why = unsupported(self)
+            logger.info("moe_graphs: decode inputs prepared by %s", why and f"vLLM ({why})"
+                        or "the plugin (fast_decode_inputs)")
+            self._mg_inputs = DecodeInputs(self) if why is None else None
 
     def _mg_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:

@@ -1,0 +1,112 @@
+"""`DecodeInputs` writes what vLLM's `_prepare_inputs` writes, on a real engine.
+
+vLLM's CPU build runs the V1 runner's `_prepare_inputs` (its CPU runner subclasses the GPU
+one; device buffers alias the host ones there). The probe serves staggered greedy requests of
+different lengths (arrivals make mixed steps, finishes make the batch shrink and reorder, long
+ones cross KV block boundaries) and, at every pure-decode step, runs vLLM's path and then ours
+from the same starting state and compares every buffer the step reads afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serve_util import run_result_script
+
+pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+
+PROBE = r"""
+import json, os, sys, tempfile
+import numpy as np
+import torch
+from tests.tiny_models import build_checkpoint
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
+
+path = build_checkpoint(tempfile.mkdtemp())
+llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
+          dtype="float32", seed=0)
+engine = llm.llm_engine
+runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+assert unsupported(runner) is None, unsupported(runner)
+fast = DecodeInputs(runner)
+table = runner.input_batch.block_table.block_tables[0]
+
+
+def buffers():
+    return {"input_ids": runner.input_ids.cpu, "query_start_loc": runner.query_start_loc.cpu,
+            "optimistic_seq_lens": runner.optimistic_seq_lens_cpu,
+            "prev_positions": runner.prev_positions.cpu,
+            "discard_request_mask": runner.discard_request_mask.cpu,
+            "positions": runner.positions, "seq_lens": runner.seq_lens,
+            "slot_mapping": table.slot_mapping.gpu, "block_table": table.block_table.gpu}
+
+
+stats = {"fast": 0, "vllm_only": 0, "mismatches": [], "batches": set(), "max_position": 0}
+stock = runner._prepare_inputs
+
+
+def checked(scheduler_output, num_scheduled_tokens):
+    if not pure_decode(runner, scheduler_output):
+        stats["vllm_only"] += 1
+        return stock(scheduler_output, num_scheduled_tokens)
+    n = runner.input_batch.num_reqs
+    before = {k: v.clone() for k, v in buffers().items()}
+    ref_logits, ref_spec = stock(scheduler_output, num_scheduled_tokens)
+    ref = {k: v.clone() for k, v in buffers().items()}
+    for k, v in buffers().items():
+        v.copy_(before[k])
+    logits, spec = fast.prepare(runner, scheduler_output)
+    mine = buffers()
+    # rows past n of input_ids / positions / prev_positions / discard mask are left stale by
+    # both. The slot mapping past n: the GPU's Triton kernel pads it with -1 (PAD_SLOT_ID, up to
+    # max_num_batched_tokens), the CPU build's C++ kernel leaves it; ours must pad like the GPU.
+    rows = {"input_ids": n, "positions": n, "prev_positions": n, "discard_request_mask": n,
+            "slot_mapping": n}
+    if not bool((mine["slot_mapping"][n:] == -1).all()):
+        stats["mismatches"].append("slot_mapping past the batch is not all -1")
+    for k in ref:
+        a, b = ref[k], mine[k]
+        if k in rows:
+            a, b = a[:rows[k]], b[:rows[k]]
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            stats["mismatches"].append(f"step {stats['fast']}: {k}: vLLM {a.tolist()[:12]} "
+                                       f"ours {b.tolist()[:12]}")
+    if spec is not ref_spec or not torch.equal(logits, ref_logits) \
+            or logits.dtype != ref_logits.dtype:
+        stats["mismatches"].append(f"logits indices {logits} vs {ref_logits}")
+    stats["fast"] += 1
+    stats["batches"].add(n)
+    stats["max_position"] = max(stats["max_position"], int(runner.positions[:n].max()))
+    return logits, spec
+
+
+runner._prepare_inputs = checked
+rng = np.random.default_rng(0)
+vocab = 300
+plan = [(int(rng.integers(2, 40)), int(rng.integers(4, 70))) for _ in range(14)]
+step, nxt, done = 0, 0, 0
+while nxt < len(plan) or engine.has_unfinished_requests():
+    if nxt < len(plan) and step % 5 == 0:
+        plen, gen = plan[nxt]
+        ids = rng.integers(0, vocab, size=plen).tolist()
+        engine.add_request(f"r{nxt}", TokensPrompt(prompt_token_ids=ids),
+                           SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=gen))
+        nxt += 1
+    for out in engine.step():
+        done += out.finished
+    step += 1
+stats["batches"] = sorted(stats["batches"])
+stats["finished"] = done
+print("RESULT " + json.dumps(stats))
+"""
+
+
+def test_decode_inputs_match_vllm_prepare_inputs(cpu_vllm: str) -> None:
+    stats = run_result_script(PROBE, cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert stats["mismatches"] == [], stats["mismatches"][:10]
+    assert stats["finished"] == 14, stats
+    # both paths ran, over many batch sizes, past several 16-token KV blocks
+    assert stats["fast"] >= 100 and stats["vllm_only"] >= 14, stats
+    assert len(stats["batches"]) >= 4 and stats["max_position"] > 64, stats

@@ -1,0 +1,140 @@
+"""Pure-decode input preparation for vLLM 0.26's V1 `GPUModelRunner._prepare_inputs`.
+
+vLLM's `_prepare_inputs` serves every batch shape (chunked prefill, speculative tokens,
+M-RoPE, LoRA, context parallelism, hybrid models) and pays for it on every step: about twenty
+small device operations (copies, an index, adds, fills, the slot-mapping Triton kernel) and as
+many NumPy/CPU-tensor operations, 0.5 ms of host time per Qwen3-0.6B decode step on the H200
+host (`benchmarks/results/profiles/h200-s7-phases-plugin_graphs.txt`). The host, not the GPU,
+bounds decode there.
+
+In a pure-decode step of a plain engine every request has one query token at position
+`num_computed_tokens`, so everything the step needs follows on the host from two arrays vLLM
+already keeps on the host (the computed-token counts and the block table). `DecodeInputs`
+computes them with NumPy and moves them with four host-to-device copies (block table, query
+start locations, positions, sequence lengths, slot mapping), writing exactly the values vLLM's
+path writes into the buffers the rest of the step reads:
+
+buffer (vLLM name)                          | vLLM's path                     | here
+------------------------------------------- | ------------------------------- | ----------------------------
+block table (`commit_block_table`)          | host-to-device copy             | the same call
+`input_ids.cpu`, `input_ids.gpu`            | index_select, `_prepare_input_ids` | NumPy gather, the same call
+`query_start_loc` (cpu and gpu)             | cumsum, copy                    | arange, copy
+`optimistic_seq_lens_cpu`                   | add                             | the same values
+`prev_positions` (host)                     | `_compute_prev_positions`       | the same call
+`discard_request_mask.np`                   | compare                         | the same compare
+`positions[:n]`                             | index, cast, add on the GPU     | one copy
+`seq_lens` (all rows, 0 past n)             | add, copy, fill on the GPU      | one copy
+`slot_mapping.gpu` (-1 past n)              | Triton kernel                   | NumPy, one copy
+logits indices                              | `query_start_loc[1:] - 1`       | a view of a fixed arange
+
+Left unwritten: buffers that only speculative decoding, context parallelism or hybrid (Mamba)
+models read (`req_indices`, `query_pos`, `num_scheduled_tokens`, `num_computed_tokens` and
+`num_accepted_tokens` on the device, `discard_request_mask.gpu`); `DecodeInputs.unsupported`
+refuses every engine with one of those features, and vLLM's own path rewrites them before it
+reads them.
+
+Per step the runner takes this path only for a pure-decode batch (one token per request, no
+draft tokens, no prompt embeddings); any other step, and any engine `unsupported` names, runs
+vLLM's `_prepare_inputs` unchanged. `tests/integration/test_decode_inputs.py` runs a real CPU
+engine through both and compares every buffer above, step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+PAD_SLOT_ID = -1  # vLLM's PAD_SLOT_ID: the KV write skips these rows
+
+
+def unsupported(runner: Any) -> str | None:
+    """Why this engine's steps cannot use `DecodeInputs` (None: they can)."""
+    checks = (
+        (runner.speculative_config is not None, "speculative decoding"),
+        (runner.uses_mrope or runner.uses_xdrope_dim > 0, "M-RoPE / XD-RoPE positions"),
+        (runner.enable_prompt_embeds, "prompt embeddings"),
+        (bool(runner.lora_config), "LoRA"),
+        (runner.cache_config.kv_sharing_fast_prefill, "kv_sharing_fast_prefill"),
+        (runner.num_accepted_tokens_event is not None, "hybrid model accepted-token counts"),
+        (runner.mamba_prev_last_scheduled_idx is not None
+         or runner.cache_config.mamba_cache_mode == "align", "Mamba state"),
+        (runner.dcp_world_size > 1 or getattr(runner, "pcp_world_size", 1) > 1,
+         "context parallelism"),
+    )
+    for failed, what in checks:
+        if failed:
+            return what
+    tables = runner.input_batch.block_table.block_tables
+    if len(tables) != 1:
+        return f"{len(tables)} KV cache groups"
+    table = tables[0]
+    if getattr(table.slot_mapping_mode, "name", "") != "TOKEN_TO_KV_SLOT":
+        return f"slot mapping mode {table.slot_mapping_mode}"
+    if table.blocks_per_kv_block != 1:
+        return f"{table.blocks_per_kv_block} kernel blocks per KV block"
+    return None
+
+
+def pure_decode(runner: Any, scheduler_output: Any) -> bool:
+    """One query token per request, no draft tokens, no prompt embeddings."""
+    return (scheduler_output.total_num_scheduled_tokens == runner.input_batch.num_reqs
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and not runner.input_batch.req_prompt_embeds)
+
+
+class DecodeInputs:
+    """Host staging for one runner's pure-decode steps (see the module docstring)."""
+
+    def __init__(self, runner: Any) -> None:
+        pin = runner.device.type == "cuda"
+        n = runner.max_num_reqs
+        self._positions = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._seq_lens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self._arange = torch.arange(n, dtype=torch.int32, device=runner.device)
+        self._qsl_fill = np.arange(n + 1, dtype=np.int32)
+        self._optimistic = runner.optimistic_seq_lens_cpu.numpy()
+        self.steps = 0  # steps prepared here (tests, diagnostics)
+
+    def prepare(self, runner: Any, scheduler_output: Any) -> tuple[torch.Tensor, None]:
+        """`_prepare_inputs` for a pure-decode step (caller checked `pure_decode`): returns
+        (logits indices, no speculative metadata), as vLLM's does."""
+        batch = runner.input_batch
+        n = batch.num_reqs
+        table = batch.block_table.block_tables[0]
+        # The block table first: its copy overlaps the host work below (as vLLM orders it).
+        batch.block_table.commit_block_table(n)
+
+        computed = batch.num_computed_tokens_cpu[:n]  # = each request's one position
+        rows = runner.arange_np[:n]
+        runner.input_ids.np[:n] = batch.token_ids_cpu[rows, computed]
+
+        qsl = runner.query_start_loc.np
+        qsl[:n + 1] = self._qsl_fill[:n + 1]
+        qsl[n + 1:] = n
+        runner.query_start_loc.copy_to_gpu()
+
+        seq_lens = self._seq_lens.numpy()
+        np.add(computed, 1, out=seq_lens[:n])
+        seq_lens[n:] = 0
+        self._optimistic[:] = seq_lens
+        runner._compute_prev_positions(n)
+        num_tokens = np.fromiter((runner.requests[r].num_tokens for r in batch.req_ids),
+                                 dtype=np.int64, count=n)
+        runner.discard_request_mask.np[:n] = seq_lens[:n] < num_tokens
+
+        self._positions.numpy()[:n] = computed
+        runner.positions[:n].copy_(self._positions[:n], non_blocking=True)
+        runner.seq_lens.copy_(self._seq_lens, non_blocking=True)
+
+        size = table.block_size
+        slots = table.slot_mapping.np
+        blocks = table.block_table.np[rows, computed // size].astype(np.int64)
+        np.add(blocks * size, computed % size, out=slots[:n])
+        slots[n:] = PAD_SLOT_ID
+        table.slot_mapping.copy_to_gpu()
+
+        runner._prepare_input_ids(scheduler_output, n, n, self._qsl_fill[1:n + 1])
+        self.steps += 1
+        return self._arange[:n], None
