@@ -92,7 +92,12 @@ class DecodeInputs:
         n = runner.max_num_reqs
         self._positions = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._seq_lens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        self._arange = torch.arange(n, dtype=torch.int32, device=runner.device)
+        # NOTE: the logits indices' device arange is allocated at the first step, not here: the
+        # runner builds this object in initialize_kv_cache, which vLLM's sleep mode runs inside
+        # its KV cache memory pool, and a level-1 sleep discards that pool's contents (measured:
+        # every row sampled row 0's logits after a wake-up).
+        self._arange: torch.Tensor | None = None
+        self._device = runner.device
         self._qsl_fill = np.arange(n + 1, dtype=np.int32)
         self._optimistic = runner.optimistic_seq_lens_cpu.numpy()
         self.steps = 0  # steps prepared here (tests, diagnostics)
@@ -136,5 +141,8 @@ class DecodeInputs:
         table.slot_mapping.copy_to_gpu()
 
         runner._prepare_input_ids(scheduler_output, n, n, self._qsl_fill[1:n + 1])
+        if self._arange is None:
+            self._arange = torch.arange(len(self._seq_lens), dtype=torch.int32,
+                                        device=self._device)
         self.steps += 1
         return self._arange[:n], None
