@@ -34,7 +34,8 @@ TOP_HOST_RANGES = 30
 TOP_FUNCTIONS = 45
 
 # (owner, method) pairs timed by phase 4; owners: "engine" (LLMEngine), "core" (EngineCore),
-# "scheduler", "executor", "runner" (the model runner, V1 or V2); a missing one is skipped.
+# "scheduler", "executor", "runner" (the model runner, V1 or V2), "model" (the runner's model);
+# a missing one is skipped.
 PHASES = (
     ("engine", "step"),
     ("core", "step_with_batch_queue"),
@@ -61,6 +62,7 @@ PHASES = (
     ("runner", "prepare_attn"),
     ("runner", "sample"),
     ("runner", "postprocess_sampled"),
+    ("model", "compute_logits"),
 )
 
 
@@ -174,7 +176,8 @@ def _owners(llm: Any) -> dict[str, Any]:
     executor = getattr(core, "model_executor", None)
     out["executor"] = executor
     worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
-    out["runner"] = getattr(worker, "model_runner", None)
+    out["runner"] = runner = getattr(worker, "model_runner", None)
+    out["model"] = getattr(runner, "model", None)
     return {k: v for k, v in out.items() if v is not None}
 
 
