@@ -20,6 +20,7 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     `plugin_graphs` with the small-M GEMM on every eligible linear layer (the default, "auto",
     takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
     the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
+    `plugin_graphs_fused_silu` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` on.
     """
     if mode == "plugin_graphs":
         return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
@@ -31,6 +32,9 @@ def benchmark_llm_kwargs(mode: str) -> dict:
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"small_m_gemm": False,
                                                      "fuse_qk_norm_rope": False}}}
+    if mode == "plugin_graphs_fused_silu":
+        return {"attention_config": {"backend": "CUSTOM"},
+                "additional_config": {"moe_graphs": {"fuse_silu_down_proj": True}}}
     if mode == "plugin_backend_vllm_graphs":
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"enabled": False}},

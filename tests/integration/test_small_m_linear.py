@@ -68,6 +68,22 @@ for name, method in sorted(methods.items()):
     b = b[0] if isinstance(b, tuple) else b
     row["row_independent"] = bool(torch.equal(a[0], b[0]))
     out["layers"][name] = row
+# fuse_silu_down_proj: SiLU * up inside down_proj's GEMM, against the unfused modules
+from vllm_moe_graphs.integration.linear import install_silu_down_proj
+out["silu_fused"] = install_silu_down_proj(model, methods)
+out["silu"] = {}
+for name, mlp in sorted((n, m) for n, m in model.named_modules() if n.endswith(".mlp")):
+    down = methods[name + ".down_proj"]
+    for m in (1, 7, 16, 20):
+        x = torch.randn(m, 64, generator=gen)
+        with torch.no_grad():
+            gate_up, _ = mlp.gate_up_proj(x)
+            ref, _ = mlp.down_proj(mlp.act_fn(gate_up))  # vLLM's activation, then the GEMM
+            before = down.small_m_calls
+            y = mlp(x)
+        out["silu"][f"{name} m{m}"] = {"kernel": down.small_m_calls - before,
+                                       "max_err": float((y - ref).abs().max()),
+                                       "scale": float(ref.abs().max())}
 print("RESULT " + json.dumps(out))
 """
 
@@ -94,6 +110,22 @@ def test_decode_rows_take_the_kernel_prefill_rows_vllms_gemm(built) -> None:
             assert row[f"m{m}"]["max_err"] < 1e-4, (name, m, row)
         assert row["m20"]["kernel"] == 0 and row["m20"]["max_err"] < 1e-4, (name, row)
         assert row["row_independent"], (name, row)
+
+
+def test_silu_fused_into_down_proj_matches_vllms_activation(built) -> None:
+    assert built["silu_fused"] == 2, built["silu_fused"]  # both layers' MLPs
+    for key, row in built["silu"].items():
+        m = int(key.rsplit("m", 1)[1])
+        # decode rows: one fused GEMM call (the unfused reference made one more); prefill rows:
+        # vLLM's activation and GEMM, bitwise the reference
+        assert row["kernel"] == (1 if m <= 16 else 0), (key, row)
+        assert row["scale"] > 1e-3, (key, row)  # a vacuous all-zero output would pass anything
+        assert row["max_err"] <= (1e-5 * row["scale"] if m <= 16 else 0.0), (key, row)
+
+
+def test_fuse_silu_down_proj_is_off_by_default() -> None:
+    assert PluginConfig().fuse_silu_down_proj is False
+    assert PluginConfig.from_dict({"fuse_silu_down_proj": True}).fuse_silu_down_proj is True
 
 
 def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:

@@ -89,11 +89,12 @@ def auto_selects(n: int, k: int) -> bool:
     return k >= n >= AUTO_MIN_N
 
 
-def install_small_m_gemm(model: torch.nn.Module,
-                         which: bool | str = True) -> dict[str, SmallMLinearMethod]:
+def install_small_m_gemm(model: torch.nn.Module, which: bool | str = True,
+                         fuse_silu: bool = False) -> dict[str, SmallMLinearMethod]:
     """Give the eligible linear layers of `model` a `SmallMLinearMethod` (`which`: True every
-    one, "auto" those `auto_selects`); returns them by module name. Call after the weights are
-    loaded and before any graph capture."""
+    one, "auto" those `auto_selects`) and, with `fuse_silu`, the MLPs around them the fused
+    SiLU * up (`install_silu_down_proj`); returns the methods by module name. Call after the
+    weights are loaded and before any graph capture."""
     layers = {name: m for name, m in model.named_modules() if _eligible(m)
               and (which is True or auto_selects(*m.weight.shape))}
     if not layers:
@@ -113,4 +114,45 @@ def install_small_m_gemm(model: torch.nn.Module,
     logger.info("moe_graphs: small-M GEMM on %d linear layers (%s; <= %d rows; workspace "
                 "%.1f MiB)", len(methods), "auto" if which == "auto" else "all eligible", MAX_M,
                 need * 4 / 2**20)
+    if fuse_silu:
+        fused = install_silu_down_proj(model, methods)
+        logger.info("moe_graphs: SiLU * up fused into down_proj in %d MLPs", fused)
     return methods
+
+
+def _silu_down_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """Qwen2MLP.forward (Qwen3's MLP) with SiluAndMul inside down_proj's small-M GEMM."""
+    gate_up, _ = mlp.gate_up_proj(x)
+    down = mlp.down_proj
+    method = down.quant_method
+    # NOTE: graph safety: shapes only, as in SmallMLinearMethod.apply.
+    if gate_up.dim() == 2 and 0 < gate_up.shape[0] <= MAX_M and gate_up.stride(1) == 1:
+        method.small_m_calls += 1
+        return small_m_linear(gate_up, down.weight, None, workspace=method.workspace,
+                              config=method.small_m_config, silu_mul=True)
+    out, _ = down(mlp.act_fn(gate_up))
+    return out
+
+
+def install_silu_down_proj(model: torch.nn.Module,
+                           methods: dict[str, SmallMLinearMethod]) -> int:
+    """Give every Qwen3 MLP (vLLM's `Qwen2MLP`, exact type) whose down_proj has one of `methods`,
+    vLLM's SiluAndMul, no bias and one tensor-parallel rank a forward that computes SiLU(gate) *
+    up inside down_proj's GEMM for decode-sized inputs (`small_m_linear(silu_mul=True)`; larger
+    inputs run vLLM's path). At one rank, RowParallelLinear's forward is exactly its quant
+    method's apply. Returns how many MLPs changed."""
+    from functools import partial
+
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.models.qwen2 import Qwen2MLP
+
+    by_method = {id(m) for m in methods.values()}
+    count = 0
+    for mlp in model.modules():
+        down = getattr(mlp, "down_proj", None)
+        if (type(mlp) is Qwen2MLP and type(mlp.act_fn) is SiluAndMul and down is not None
+                and id(down.quant_method) in by_method and down.bias is None
+                and getattr(down, "tp_size", 1) == 1):
+            mlp.forward = partial(_silu_down_forward, mlp)
+            count += 1
+    return count
