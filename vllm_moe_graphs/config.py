@@ -46,7 +46,7 @@ class PluginConfig:
     # Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
     # (integration/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
     fuse_qk_norm_rope: bool = True
-    # Pure-decode steps prepare vLLM's input buffers on the host with four copies
+    # Pure-decode steps prepare vLLM's input buffers on the host with a few copies
     # (integration/decode_inputs.py) instead of vLLM's general path; false: vLLM's path.
     fast_decode_inputs: bool = True
     # Qwen3 MLPs whose down_proj takes the small-M GEMM compute SiLU(gate) * up inside that GEMM

@@ -10,7 +10,7 @@ bounds decode there.
 In a pure-decode step of a plain engine every request has one query token at position
 `num_computed_tokens`, so everything the step needs follows on the host from two arrays vLLM
 already keeps on the host (the computed-token counts and the block table). `DecodeInputs`
-computes them with NumPy and moves them with four host-to-device copies (block table, query
+computes them with NumPy and moves them with five host-to-device copies (block table, query
 start locations, positions, sequence lengths, slot mapping), writing exactly the values vLLM's
 path writes into the buffers the rest of the step reads:
 

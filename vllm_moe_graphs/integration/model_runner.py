@@ -485,9 +485,9 @@ class MoeGraphsModelRunner(GPUModelRunner):
         """Pure-decode steps prepare their inputs in `DecodeInputs` (fast_decode_inputs)."""
         if self.moe_config.fast_decode_inputs and self._mg_graphs and not self._mg_inputs:
             why = unsupported(self)
-            logger.info("moe_graphs: decode inputs prepared by %s", why and f"vLLM ({why})"
-                        or "the plugin (fast_decode_inputs)")
             self._mg_inputs = DecodeInputs(self) if why is None else None
+            logger.info("moe_graphs: decode inputs prepared by %s",
+                        f"vLLM ({why})" if why else "the plugin (fast_decode_inputs)")
 
     def _mg_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:
