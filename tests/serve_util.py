@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 
 def free_port() -> int:
@@ -43,11 +43,12 @@ def cpu_env(cpu_vllm: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_result_script(code: str, cpu_vllm: str, timeout: float = 600, **env: str) -> dict:
-    """Run `code` (given a free port as argv[1]) in a subprocess on the CPU build of vLLM from
-    the repository root; return the JSON of its last `RESULT {...}` line."""
+def run_result_script(code: str, cpu_vllm: str, timeout: float = 600,
+                      argv: Sequence[str] = (), **env: str) -> dict:
+    """Run `code` (given a free port as argv[1], then `argv`) in a subprocess on the CPU build of
+    vLLM from the repository root; return the JSON of its last `RESULT {...}` line."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code, str(free_port())], cwd=repo,
+    proc = subprocess.run([sys.executable, "-c", code, str(free_port()), *argv], cwd=repo,
                           env=cpu_env(cpu_vllm, **env), capture_output=True, text=True,
                           timeout=timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -25,8 +25,21 @@ from vllm.inputs import TokensPrompt
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
 
 path = build_checkpoint(tempfile.mkdtemp())
+ASYNC = sys.argv[2] == "async"
+if ASYNC:
+    # vLLM's CPU platform switches async scheduling off ("not required on CPU"); switch it back
+    # on after that hook so the runner keeps last step's sampled tokens on the device, as on a GPU
+    from vllm.platforms.cpu import CpuPlatform
+
+    _update = CpuPlatform.check_and_update_config.__func__
+
+    def _keep_async(cls, vllm_config):
+        _update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(_keep_async)
 llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
-          dtype="float32", seed=0)
+          dtype="float32", seed=0, async_scheduling=ASYNC)
 engine = llm.llm_engine
 runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 assert unsupported(runner) is None, unsupported(runner)
@@ -43,7 +56,8 @@ def buffers():
             "slot_mapping": table.slot_mapping.gpu, "block_table": table.block_table.gpu}
 
 
-stats = {"fast": 0, "vllm_only": 0, "mismatches": [], "batches": set(), "max_position": 0}
+stats = {"fast": 0, "vllm_only": 0, "mismatches": [], "batches": set(), "max_position": 0,
+         "async": 0, "kept_rows": 0, "moved_rows": 0, "new_rows": 0}
 stock = runner._prepare_inputs
 
 
@@ -52,6 +66,14 @@ def checked(scheduler_output, num_scheduled_tokens):
         stats["vllm_only"] += 1
         return stock(scheduler_output, num_scheduled_tokens)
     n = runner.input_batch.num_reqs
+    if runner.input_batch.prev_sampled_token_ids is not None:  # async: last tokens on device
+        stats["async"] += 1
+        runner._compute_prev_positions(n)
+        prev = runner.prev_positions.np[:n]
+        kept = prev == np.arange(n)
+        stats["kept_rows"] += int(kept.all())
+        stats["moved_rows"] += int(bool(((prev >= 0) & ~kept).any()))
+        stats["new_rows"] += int(bool((prev < 0).any()))
     before = {k: v.clone() for k, v in buffers().items()}
     ref_logits, ref_spec = stock(scheduler_output, num_scheduled_tokens)
     ref = {k: v.clone() for k, v in buffers().items()}
@@ -103,10 +125,20 @@ print("RESULT " + json.dumps(stats))
 """
 
 
-def test_decode_inputs_match_vllm_prepare_inputs(cpu_vllm: str) -> None:
-    stats = run_result_script(PROBE, cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_decode_inputs_match_vllm_prepare_inputs(cpu_vllm: str, scheduling: str) -> None:
+    stats = run_result_script(PROBE, cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                              argv=[scheduling])
     assert stats["mismatches"] == [], stats["mismatches"][:10]
     assert stats["finished"] == 14, stats
     # both paths ran, over many batch sizes, past several 16-token KV blocks
     assert stats["fast"] >= 100 and stats["vllm_only"] >= 14, stats
     assert len(stats["batches"]) >= 4 and stats["max_position"] > 64, stats
+    if scheduling == "async":
+        # the tokens sampled last step come from the device, by both branches of the copy:
+        # every row kept (one slice copy) and rows moved by a finish (a scatter). (A request
+        # new to the batch arrives by a prefill step, so a pure-decode step never has one.)
+        assert stats["async"] >= 100, stats
+        assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats
+    else:
+        assert stats["async"] == 0, stats
