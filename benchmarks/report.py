@@ -26,7 +26,7 @@ tpot_p50 there:
   1. every other stock mode over the best stock graph mode;
   2. every eager mode (stock_eager, plugin_eager) over every graph mode;
   3. every stock mode over plugin_graphs (and over plugin_graphs_experimental,
-     plugin_graphs_cublas and plugin_graphs_fused_silu), when measured."""
+     plugin_graphs_cublas, plugin_graphs_fused_silu and plugin_graphs_fused), when measured."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -147,6 +147,7 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
             put(mode, "plugin_graphs_experimental", at, tpot)
             put(mode, "plugin_graphs_cublas", at, tpot)
             put(mode, "plugin_graphs_fused_silu", at, tpot)
+            put(mode, "plugin_graphs_fused", at, tpot)
     return ratios
 
 

@@ -21,6 +21,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
     the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
     `plugin_graphs_fused_silu` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` on.
+    `plugin_graphs_fused` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` and
+    `fuse_residual_norm` on.
     """
     if mode == "plugin_graphs":
         return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
@@ -32,6 +34,10 @@ def benchmark_llm_kwargs(mode: str) -> dict:
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"small_m_gemm": False,
                                                      "fuse_qk_norm_rope": False}}}
+    if mode == "plugin_graphs_fused":
+        return {"attention_config": {"backend": "CUSTOM"},
+                "additional_config": {"moe_graphs": {"fuse_silu_down_proj": True,
+                                                     "fuse_residual_norm": True}}}
     if mode == "plugin_graphs_fused_silu":
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"fuse_silu_down_proj": True}}}

@@ -52,6 +52,10 @@ class PluginConfig:
     # Qwen3 MLPs whose down_proj takes the small-M GEMM compute SiLU(gate) * up inside that GEMM
     # (one launch fewer per layer). Off until measured on the H200.
     fuse_silu_down_proj: bool = False
+    # The split-K reduce of o_proj's and down_proj's small-M GEMM inside the residual add +
+    # RMSNorm after them (integration/linear.py, one launch fewer per projection). Off until
+    # measured on the H200.
+    fuse_residual_norm: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -150,5 +154,6 @@ _PARSERS = {
     "fuse_qk_norm_rope": _bool,
     "fast_decode_inputs": _bool,
     "fuse_silu_down_proj": _bool,
+    "fuse_residual_norm": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

@@ -341,12 +341,13 @@ def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
 
 def test_experimental_kernels_keep_parity(tmp_path):
     """small_m_gemm on every eligible layer (default "auto": o_proj/down_proj only) + fused q/k
-    norm + RoPE + SiLU * up inside down_proj (fuse_silu_down_proj, default off): every linear
-    layer, attention module and MLP really switched, and graphs vs kill switch still
-    token-identical."""
+    norm + RoPE + SiLU * up inside down_proj (fuse_silu_down_proj, default off) + the split-K
+    reduce of o_proj and down_proj inside the next residual add + RMSNorm (fuse_residual_norm,
+    default off): every linear layer, attention module, MLP and projection really switched, and
+    graphs vs kill switch still token-identical."""
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
     cfg = {"moe_graphs": {"small_m_gemm": True, "fuse_qk_norm_rope": True,
-                          "fuse_silu_down_proj": True}}
+                          "fuse_silu_down_proj": True, "fuse_residual_norm": True}}
     result = run_engine(tmp_path, "experimental",
                         _llm_kwargs(model, load_format="dummy", additional_config=cfg),
                         _prompts(vocab), parity_phases((1, 8, 32)))
@@ -356,6 +357,8 @@ def test_experimental_kernels_keep_parity(tmp_path):
     assert f"small-M GEMM on {4 * NUM_LAYERS} linear layers" in logs, logs
     assert f"fused q/k norm + RoPE in {NUM_LAYERS} of {NUM_LAYERS} attention layers" in logs, logs
     assert f"SiLU * up fused into down_proj in {NUM_LAYERS} MLPs" in logs, logs
+    assert (f"split-K reduce fused into the residual add + RMSNorm after {2 * NUM_LAYERS} "
+            "projections") in logs, logs
     assert_parity(summary)
 
 

@@ -21,8 +21,8 @@ from vllm_moe_graphs.integration.linear import SmallMLinearMethod, install_small
 
 path = tempfile.mkdtemp()
 Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=64,
-            intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=256).save_pretrained(path)
+            intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=256).save_pretrained(path)
 vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32"))
 with set_current_vllm_config(vc):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -84,6 +84,52 @@ for name, mlp in sorted((n, m) for n, m in model.named_modules() if n.endswith("
         out["silu"][f"{name} m{m}"] = {"kernel": down.small_m_calls - before,
                                        "max_err": float((y - ref).abs().max()),
                                        "scale": float(ref.abs().max())}
+# fuse_residual_norm: o_proj / down_proj split reduce inside the next residual add + RMSNorm
+from vllm_moe_graphs.integration.linear import install_residual_norm
+layers = model.model.layers
+cases = []  # (name, projection call, consuming norm), reference taken before the install
+for i, layer in enumerate(layers):
+    nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+    cases.append((f"{i}.o_proj", lambda x, a=layer.self_attn: a.o_proj(x)[0],
+                  layer.post_attention_layernorm, layer.self_attn.o_proj.weight.shape[1]))
+    cases.append((f"{i}.mlp", lambda x, mlp=layer.mlp: mlp(x), nxt, 64))
+inputs = {}
+ref = {}
+with torch.no_grad():
+    for name, proj, norm, k in cases:
+        for m in (1, 5, 16, 20):
+            x, res = torch.randn(m, k, generator=gen), torch.randn(m, 64, generator=gen)
+            inputs[name, m] = (x, res)
+            y, r = norm(proj(x).clone(), res.clone())
+            ref[name, m] = (y.clone(), r.clone())
+out["residual_deferred"], out["residual_why"] = install_residual_norm(model, methods)
+handoff = model.moe_graphs_residual_handoff
+out["residual"] = {}
+with torch.no_grad():
+    for name, proj, norm, k in cases:
+        for m in (1, 5, 16, 20):
+            x, res = inputs[name, m]
+            fused_before = handoff.fused
+            h = proj(x)
+            deferred = handoff.pending is not None and handoff.pending[0] is h
+            y, r = norm(h, res.clone())
+            ry, rr = ref[name, m]
+            out["residual"][f"{name} m{m}"] = {
+                "deferred": deferred, "fused": handoff.fused - fused_before,
+                "y_err": float((y - ry).abs().max()), "r_err": float((r - rr).abs().max()),
+                "scale": float(ry.abs().max()), "pending_after": handoff.pending is not None}
+    # a deferred output that reaches something else first is reduced before that runs
+    x, _ = inputs["0.o_proj", 5]
+    h = layers[0].self_attn.o_proj(x)[0]
+    flushed = handoff.flushed
+    layers[1].self_attn.qkv_proj(torch.randn(5, 64, generator=gen))  # a GEMM on the workspace
+    o_ref = torch.nn.functional.linear(x, layers[0].self_attn.o_proj.weight)
+    out["flush_by_gemm"] = {"flushed": handoff.flushed - flushed,
+                            "err": float((h - o_ref).abs().max())}
+    h = layers[0].self_attn.o_proj(x)[0]
+    y, _ = layers[1].post_attention_layernorm(h.clone(), torch.zeros(5, 64))  # not h itself
+    out["flush_by_norm"] = {"flushed": handoff.flushed - flushed - 1,
+                            "err": float((h - o_ref).abs().max())}
 print("RESULT " + json.dumps(out))
 """
 
@@ -123,9 +169,29 @@ def test_silu_fused_into_down_proj_matches_vllms_activation(built) -> None:
         assert row["max_err"] <= (1e-5 * row["scale"] if m <= 16 else 0.0), (key, row)
 
 
+def test_residual_norm_fused_after_o_proj_and_down_proj(built) -> None:
+    assert built["residual_deferred"] == 4, built["residual_why"]  # 2 layers x (o_proj, down)
+    for key, row in built["residual"].items():
+        m = int(key.rsplit("m", 1)[1])
+        decode = m <= 16
+        # decode rows: the projection's reduce is deferred and the norm fuses it; prefill rows:
+        # vLLM's GEMM and vLLM's norm, bitwise the reference
+        assert row["deferred"] == decode and row["fused"] == int(decode), (key, row)
+        assert not row["pending_after"], (key, row)
+        assert row["scale"] > 0.05, (key, row)  # not a vacuous all-zero comparison
+        assert row["y_err"] <= (1e-5 * row["scale"] if decode else 0.0), (key, row)
+        assert row["r_err"] <= (1e-5 if decode else 0.0), (key, row)
+    # a deferred output is reduced before another GEMM overwrites the workspace, and when a
+    # norm receives some other tensor
+    for case in ("flush_by_gemm", "flush_by_norm"):
+        assert built[case]["flushed"] == 1 and built[case]["err"] < 1e-4, (case, built[case])
+
+
 def test_fuse_silu_down_proj_is_off_by_default() -> None:
     assert PluginConfig().fuse_silu_down_proj is False
     assert PluginConfig.from_dict({"fuse_silu_down_proj": True}).fuse_silu_down_proj is True
+    assert PluginConfig().fuse_residual_norm is False
+    assert PluginConfig.from_dict({"fuse_residual_norm": True}).fuse_residual_norm is True
 
 
 def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:

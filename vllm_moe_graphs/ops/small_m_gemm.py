@@ -247,6 +247,7 @@ def small_m_linear(
     workspace: torch.Tensor | None = None,
     config: SmallMGemmConfig | None = None,
     silu_mul: bool = False,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> out [M, N] in x's dtype, fp32 accumulation;
     with `silu_mul`, x is [M, 2K] (gate | up) and the product is (silu(gate) * up) @ weight^T.
@@ -256,7 +257,9 @@ def small_m_linear(
     SMs of x's device)`; a config with num_splits > 1 (that actually splits K) needs a float32
     `workspace` of >= `small_m_workspace_numel(M, N, config)` elements. Deterministic; a row's
     bits do not depend on M. Graph safe: shapes only, no host sync; grid (N tiles, S) [+ (N / 256,
-    M)]. Returns out.
+    M)]. Returns out. `reduce=False` leaves a split call's fp32 partials in the workspace and
+    `out` unwritten, for a caller that reduces them itself (`ops/reduce_add_rms_norm.py`; the
+    split count is `split_k_plan(K, config.block_k, config.num_splits)[0]`).
     """
     # NOTE: graph safety. Everything below reads shapes, strides, dtypes and host constants
     # only: no `.item()`, no device reads. Pass `out` and `workspace` allocated before capture
@@ -301,19 +304,31 @@ def small_m_linear(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split:
-        _small_m_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
-            out,
-            workspace,
-            bias if has_bias else out,
-            n,
-            out.stride(0),
-            m * n,
-            NUM_SPLITS=splits,
-            BLOCK=REDUCE_BLOCK_N,
-            HAS_BIAS=has_bias,
-            num_warps=REDUCE_NUM_WARPS,
-        )
+    if split and reduce:
+        small_m_reduce(out, workspace, splits, bias)
+    return out
+
+
+def small_m_reduce(out: torch.Tensor, workspace: torch.Tensor, num_splits: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The split reduce of `small_m_linear` on its own: out[M, N] = sum of the first
+    `num_splits` [M, N] fp32 partials of `workspace` (+ bias), in out's dtype. For a caller that
+    deferred it with `small_m_linear(..., reduce=False)` and then did not fuse it."""
+    m, n = out.shape
+    if m == 0:
+        return out
+    _small_m_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+        out,
+        workspace,
+        bias if bias is not None else out,
+        n,
+        out.stride(0),
+        m * n,
+        NUM_SPLITS=num_splits,
+        BLOCK=REDUCE_BLOCK_N,
+        HAS_BIAS=bias is not None,
+        num_warps=REDUCE_NUM_WARPS,
+    )
     return out
 
 
