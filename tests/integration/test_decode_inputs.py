@@ -9,9 +9,15 @@ from the same starting state and compares every buffer the step reads afterwards
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import subprocess
+import sys
 
-from tests.serve_util import run_result_script
+import pytest
+import torch
+
+from tests.serve_util import free_port, run_result_script
 
 pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 
@@ -39,7 +45,7 @@ if ASYNC:
 
     CpuPlatform.check_and_update_config = classmethod(_keep_async)
 llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
-          dtype="float32", seed=0, async_scheduling=ASYNC)
+          dtype=sys.argv[3] if len(sys.argv) > 3 else "float32", seed=0, async_scheduling=ASYNC)
 engine = llm.llm_engine
 runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 assert unsupported(runner) is None, unsupported(runner)
@@ -48,7 +54,8 @@ table = runner.input_batch.block_table.block_tables[0]
 
 
 def buffers():
-    return {"input_ids": runner.input_ids.cpu, "query_start_loc": runner.query_start_loc.cpu,
+    return {"input_ids": runner.input_ids.cpu, "input_ids_gpu": runner.input_ids.gpu,
+            "query_start_loc": runner.query_start_loc.cpu,
             "optimistic_seq_lens": runner.optimistic_seq_lens_cpu,
             "prev_positions": runner.prev_positions.cpu,
             "discard_request_mask": runner.discard_request_mask.cpu,
@@ -84,7 +91,7 @@ def checked(scheduler_output, num_scheduled_tokens):
     # rows past n of input_ids / positions / prev_positions / discard mask are left stale by
     # both. The slot mapping past n: the GPU's Triton kernel pads it with -1 (PAD_SLOT_ID, up to
     # max_num_batched_tokens), the CPU build's C++ kernel leaves it; ours must pad like the GPU.
-    rows = {"input_ids": n, "positions": n, "prev_positions": n, "discard_request_mask": n,
+    rows = {"input_ids": n, "input_ids_gpu": n, "positions": n, "prev_positions": n, "discard_request_mask": n,
             "slot_mapping": n}
     if not bool((mine["slot_mapping"][n:] == -1).all()):
         stats["mismatches"].append("slot_mapping past the batch is not all -1")
@@ -142,3 +149,23 @@ def test_decode_inputs_match_vllm_prepare_inputs(cpu_vllm: str, scheduling: str)
         assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats
     else:
         assert stats["async"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_inputs_match_vllm_prepare_inputs() -> None:
+    """The same probe on the GPU build: vLLM's V1 runner with async scheduling, its real
+    device buffers (pinned staging, non-blocking copies, the slot-mapping kernel)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+    env.update(MOE_GRAPHS_DISABLE="1", VLLM_USE_V2_MODEL_RUNNER="0",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.pop("TRITON_INTERPRET", None)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(free_port()), "async", "bfloat16"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    stats = json.loads(lines[-1].removeprefix("RESULT "))
+    assert stats["mismatches"] == [], stats["mismatches"][:10]
+    assert stats["finished"] == 14 and stats["fast"] >= 100 and stats["async"] >= 100, stats
+    assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats

@@ -97,6 +97,12 @@ class DecodeInputs:
         # its KV cache memory pool, and a level-1 sleep discards that pool's contents (measured:
         # every row sampled row 0's logits after a wake-up).
         self._arange: torch.Tensor | None = None
+        # scatter indices of the input ids (rows now, rows last step): pinned host staging, and
+        # device rows allocated at first use (a step, never inside the sleep-mode pool)
+        self._dst = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._src = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._dst_dev: torch.Tensor | None = None
+        self._src_dev: torch.Tensor | None = None
         self._device = runner.device
         self._qsl_fill = np.arange(n + 1, dtype=np.int32)
         self._optimistic = runner.optimistic_seq_lens_cpu.numpy()
@@ -171,9 +177,15 @@ class DecodeInputs:
             # "batch unchanged, no reordering" case)
             runner.input_ids.gpu[:k].copy_(prev_tokens[:k, 0], non_blocking=True)
             return
-        pin = runner.device.type == "cuda"
-        dst = torch.tensor(rows[common], dtype=torch.int64, pin_memory=pin)
-        src = torch.tensor(prev[common], dtype=torch.int64, pin_memory=pin)
-        dst = dst.to(runner.device, non_blocking=True)
-        src = src.to(runner.device, non_blocking=True)
+        # Rows moved (a finished request's row was refilled): scatter. The index pairs go
+        # through pinned staging rows, reused like the position and length rows above (vLLM
+        # waits for the previous step's copies before it prepares the next step).
+        self._dst.numpy()[:k] = rows[common]
+        self._src.numpy()[:k] = prev[common]
+        if self._dst_dev is None:
+            self._dst_dev = torch.empty_like(self._dst, device=self._device)
+            self._src_dev = torch.empty_like(self._src, device=self._device)
+        dst, src = self._dst_dev[:k], self._src_dev[:k]
+        dst.copy_(self._dst[:k], non_blocking=True)
+        src.copy_(self._src[:k], non_blocking=True)
         runner.input_ids.gpu.scatter_(0, dst, prev_tokens[src, 0])
