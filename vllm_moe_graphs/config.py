@@ -50,11 +50,12 @@ class PluginConfig:
     # (integration/decode_inputs.py) instead of vLLM's general path; false: vLLM's path.
     fast_decode_inputs: bool = True
     # Qwen3 MLPs whose down_proj takes the small-M GEMM compute SiLU(gate) * up inside that GEMM
-    # (one launch fewer per layer). Off until measured on the H200.
+    # (one launch fewer per layer). Off: no measurable gain on the H200, whose decode steps are
+    # host-bound (docs/serving.md).
     fuse_silu_down_proj: bool = False
     # The split-K reduce of o_proj's and down_proj's small-M GEMM inside the residual add +
-    # RMSNorm after them (integration/linear.py, one launch fewer per projection). Off until
-    # measured on the H200.
+    # RMSNorm after them (integration/linear.py, one launch fewer per projection). Off for the
+    # same reason.
     fuse_residual_norm: bool = False
 
     @classmethod

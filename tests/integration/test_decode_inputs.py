@@ -44,8 +44,11 @@ if ASYNC:
         vllm_config.scheduler_config.async_scheduling = True
 
     CpuPlatform.check_and_update_config = classmethod(_keep_async)
+GPU = len(sys.argv) > 3 and sys.argv[3] == "gpu"
+# on the GPU: bfloat16, and TRITON_ATTN (the GPU bundle has no FlashAttention)
+extra = {"attention_config": {"backend": "TRITON_ATTN"}} if GPU else {}
 llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
-          dtype=sys.argv[3] if len(sys.argv) > 3 else "float32", seed=0, async_scheduling=ASYNC)
+          dtype="bfloat16" if GPU else "float32", seed=0, async_scheduling=ASYNC, **extra)
 engine = llm.llm_engine
 runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 assert unsupported(runner) is None, unsupported(runner)
@@ -161,7 +164,7 @@ def test_gpu_decode_inputs_match_vllm_prepare_inputs() -> None:
                VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.pop("TRITON_INTERPRET", None)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(free_port()), "async", "bfloat16"],
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(free_port()), "async", "gpu"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
