@@ -9,6 +9,16 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
+# The plugin's graph modes: our attention backend and these `moe_graphs` settings.
+_PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
+    "plugin_graphs": {},
+    "plugin_graphs_experimental": {"small_m_gemm": True, "fuse_qk_norm_rope": True},
+    "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
+    "plugin_graphs_fused_silu": {"fuse_silu_down_proj": True},
+    "plugin_graphs_fused": {"fuse_silu_down_proj": True, "fuse_residual_norm": True},
+}
+
+
 def benchmark_llm_kwargs(mode: str) -> dict:
     """Extra `vllm.LLM` kwargs of a plugin benchmark mode (`benchmarks/modes.py`).
 
@@ -24,23 +34,9 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     `plugin_graphs_fused` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` and
     `fuse_residual_norm` on.
     """
-    if mode == "plugin_graphs":
-        return {"attention_config": {"backend": "CUSTOM"}, "additional_config": {"moe_graphs": {}}}
-    if mode == "plugin_graphs_experimental":
+    if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},
-                "additional_config": {"moe_graphs": {"small_m_gemm": True,
-                                                     "fuse_qk_norm_rope": True}}}
-    if mode == "plugin_graphs_cublas":
-        return {"attention_config": {"backend": "CUSTOM"},
-                "additional_config": {"moe_graphs": {"small_m_gemm": False,
-                                                     "fuse_qk_norm_rope": False}}}
-    if mode == "plugin_graphs_fused":
-        return {"attention_config": {"backend": "CUSTOM"},
-                "additional_config": {"moe_graphs": {"fuse_silu_down_proj": True,
-                                                     "fuse_residual_norm": True}}}
-    if mode == "plugin_graphs_fused_silu":
-        return {"attention_config": {"backend": "CUSTOM"},
-                "additional_config": {"moe_graphs": {"fuse_silu_down_proj": True}}}
+                "additional_config": {"moe_graphs": dict(_PLUGIN_GRAPH_MODES[mode])}}
     if mode == "plugin_backend_vllm_graphs":
         return {"attention_config": {"backend": "CUSTOM"},
                 "additional_config": {"moe_graphs": {"enabled": False}},

@@ -12,12 +12,13 @@ In a pure-decode step of a plain engine every request has one query token at pos
 already keeps on the host (the computed-token counts and the block table). `DecodeInputs`
 computes them with NumPy and moves them with five host-to-device copies (block table, query
 start locations, positions, sequence lengths, slot mapping), writing exactly the values vLLM's
-path writes into the buffers the rest of the step reads:
+path writes into the buffers the rest of the step reads (the input ids come from last step's
+sampled tokens on the device: one slice copy, or one scatter when rows moved):
 
 buffer (vLLM name)                          | vLLM's path                     | here
 ------------------------------------------- | ------------------------------- | ----------------------------
 block table (`commit_block_table`)          | host-to-device copy             | the same call
-`input_ids.cpu`, `input_ids.gpu`            | index_select, `_prepare_input_ids` | NumPy gather, the same call
+`input_ids.cpu`, `input_ids.gpu`            | index_select, `_prepare_input_ids` | NumPy gather, `_input_ids`
 `query_start_loc` (cpu and gpu)             | cumsum, copy                    | arange, copy
 `optimistic_seq_lens_cpu`                   | add                             | the same values
 `prev_positions` (host)                     | `_compute_prev_positions`       | the same call
