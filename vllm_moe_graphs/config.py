@@ -47,8 +47,13 @@ class PluginConfig:
     # (integration/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
     fuse_qk_norm_rope: bool = True
     # Pure-decode steps prepare vLLM's input buffers on the host with a few copies
-    # (integration/decode_inputs.py) instead of vLLM's general path; false: vLLM's path.
+    # (integration/decode_inputs.py) instead of vLLM's general path, and a replayed step builds
+    # no attention metadata (the graph reads the persistent buffers); false: vLLM's path.
     fast_decode_inputs: bool = True
+    # The LM head inside the decode forward, so inside the graph (integration/graph_logits.py),
+    # for pure-decode batch buckets up to 64 rows (needs fast_decode_inputs); false: vLLM
+    # computes the logits after the forward.
+    logits_in_graph: bool = True
     # Qwen3 MLPs whose down_proj takes the small-M GEMM compute SiLU(gate) * up inside that GEMM
     # (one launch fewer per layer). Off: no measurable gain on the H200, whose decode steps are
     # host-bound (docs/serving.md).
@@ -154,6 +159,7 @@ _PARSERS = {
     "small_m_gemm": _bool_or_auto,
     "fuse_qk_norm_rope": _bool,
     "fast_decode_inputs": _bool,
+    "logits_in_graph": _bool,
     "fuse_silu_down_proj": _bool,
     "fuse_residual_norm": _bool,
 }

@@ -145,6 +145,10 @@ for phase in spec["phases"]:
     result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
                              "mean_top1_logprob": sum(top1) / len(top1),
                              "metrics": collect_text()})
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+logits = getattr(runner, "_mg_logits", None)  # None: stock runner, or vLLM computes them
+result["graph_logits_handed_over"] = logits.handed_over if logits is not None else 0
+result["lean_replay"] = bool(getattr(runner, "_mg_lean_replay", False))
 with open(spec["out"], "w") as f:
     json.dump(result, f)
 print("ENGINE_DONE", result["config"], flush=True)
@@ -246,12 +250,17 @@ def check_parity(result: dict) -> dict:
             "captures": metric(phases[-1]["metrics"], "moe_graphs_captures_total"),
             "pool_bytes": metric(phases[-1]["metrics"], "moe_graphs_pool_bytes"),
             "scratch_bytes": metric(phases[-1]["metrics"], "moe_graphs_scratch_bytes"),
+            "graph_logits_handed_over": result.get("graph_logits_handed_over"),
+            "lean_replay": result.get("lean_replay"),
             "log_lines": result["log_lines"]}
 
 
 def assert_parity(summary: dict) -> None:
     assert summary["mode_graphs"] == 1, summary["log_lines"]
     assert "MoeGraphsWorker" in summary["config"]["worker_cls"], summary["config"]
+    # the default host shortcuts were live: decode steps took their logits from the graph's
+    # LM head (logits_in_graph) and replays skipped the attention metadata
+    assert summary["graph_logits_handed_over"] > 0 and summary["lean_replay"], summary
     for row in summary["rows"]:
         assert row["identical_sequences"] == row["sequences"], row
         assert row["replays"] > 0 and row["replays_while_killed"] == 0, row

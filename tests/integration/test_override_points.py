@@ -11,7 +11,7 @@ gpu_model_runner = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 GPUModelRunner = gpu_model_runner.GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
-from vllm_moe_graphs.integration import model_runner, worker  # noqa: E402
+from vllm_moe_graphs.integration import model_runner, runner_buffers, worker  # noqa: E402
 from vllm_moe_graphs.integration.model_runner import (  # noqa: E402
     CALLED,
     OVERRIDES,
@@ -191,7 +191,7 @@ def _bare_runner(layers: dict):
         block_table=ns(gpu=torch.zeros(8, 4, dtype=torch.int32)),
         slot_mapping=ns(gpu=torch.zeros(8, dtype=torch.int64)))]))
     r.attn_groups = []
-    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=r._mg_buffers())
+    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=runner_buffers.graph_buffers(r))
     r._mg_kv_watch = tuple((ctx[n], t) for n, t in layers.items())
     return r
 
@@ -261,10 +261,15 @@ def test_bind_lets_our_metadata_builders_read_vllm_buffers_in_place():
     table = r.input_batch.block_table.block_tables[0].block_table.gpu
     for mode, calls in (("FULL_DECODE_ONLY", 0), ("NONE", 1)):
         r.compilation_config.cudagraph_mode = types.SimpleNamespace(name=mode)
-        r._mg_metadata_in_place()
+        # another backend's builder also serves this model: replays keep building metadata
+        assert runner_buffers.read_metadata_in_place(r) is False
         assert len(ours.calls) == calls, mode  # vLLM's own capture rewrites seq_lens: not then
     ((qsl, seq_lens, block_table),) = ours.calls
     assert qsl is r.query_start_loc.gpu and seq_lens is r.seq_lens and block_table is table
+    r.attn_groups = [[types.SimpleNamespace(get_metadata_builder=lambda: ours)]]
+    assert runner_buffers.read_metadata_in_place(r) is True  # ours alone, read in place
+    r.routed_experts_initialized = True  # vLLM's routed-experts capture reads the metadata
+    assert runner_buffers.read_metadata_in_place(r) is False
 
 
 def test_our_runner_attributes_do_not_collide_with_vllm():
@@ -307,13 +312,14 @@ def _stepping_runner(warmup_steps: int = 1):
     r.model = lambda input_ids, **_: input_ids.float()[:, None] * 2  # [T, 1]
     r._mg_executing, r._mg_pending, r._mg_args = True, None, {}
     r._mg_precapture_key, r._mg_real_model = None, None
+    r._mg_logits, r._mg_fast_step, r._mg_with_logits, r._mg_lean_replay = None, False, False, False
     capture = Emulated()
     r._mg_graphs = DecodeGraphRunner(r._mg_forward, PluginConfig(warmup_steps=warmup_steps),
                                      storage=r.moe_storage, capture_fn=capture, new_pool=object)
     return r, capture, CUDAGraphMode
 
 
-def _step(r, num_reqs: int, query_lens: list[int]):
+def _step(r, num_reqs: int, query_lens: list[int], metadata: list | None = None):
     import numpy as np
     import torch
 
@@ -321,9 +327,108 @@ def _step(r, num_reqs: int, query_lens: list[int]):
     r.optimistic_seq_lens_cpu[:num_reqs] = torch.arange(10, 10 + num_reqs)
     mode, desc, *_ = r._determine_batch_execution_and_padding(
         num_tokens, num_reqs, np.array(query_lens, dtype=np.int32), max(query_lens), False)
+    if metadata is not None:  # execute_model's next call, with the padded sizes
+        metadata.append(r._build_attention_metadata(
+            num_tokens, num_reqs, max(query_lens), num_tokens_padded=desc.num_tokens,
+            num_reqs_padded=desc.num_reqs)[0])
     ids = torch.arange(1, desc.num_tokens + 1, dtype=torch.int32)  # vLLM slices its buffer
     out = r._model_forward(input_ids=ids, positions=ids.long())
     return mode, desc, out
+
+
+class _ToyLM:
+    """What GraphLogits reads of a vLLM causal LM: the LM head weight [padded vocab, hidden],
+    the logits processor's vocabulary, and compute_logits (here counting its calls)."""
+
+    def __init__(self, hidden: int = 1, vocab: int = 5, padded: int = 8) -> None:
+        import types
+
+        import torch
+
+        self.lm_head = types.SimpleNamespace(
+            weight=torch.arange(padded * hidden, dtype=torch.float32).reshape(padded, hidden))
+        self.logits_processor = types.SimpleNamespace(org_vocab_size=vocab)
+        self.stock_calls = 0
+
+    def compute_logits(self, hidden):
+        self.stock_calls += 1
+        return (hidden @ self.lm_head.weight.t())[:, :self.logits_processor.org_vocab_size]
+
+
+def test_decode_graph_paths_compute_the_logits_inside_the_forward():
+    import torch
+
+    from vllm_moe_graphs.integration.graph_logits import GraphLogits
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    lm = _ToyLM()
+    r._mg_logits = GraphLogits(lm, max_rows=4)
+    for expected in ("warm-up", "capture", "replay", "replay"):
+        mode, desc, out = _step(r, 3, [1, 1, 1])
+        # execute_model: hidden_states[logits_indices] with DecodeInputs' slice(0, n)
+        logits = lm.compute_logits(out[slice(0, 3)])
+        assert torch.equal(logits, (out @ lm.lm_head.weight.t())[:, :5]), expected
+        assert logits.data_ptr() == r._mg_logits.buffer.data_ptr(), expected  # the buffer
+        assert lm.stock_calls == 0, expected
+    assert capture.captures == 1 and r._mg_logits.handed_over == 4
+    # the hand-over is taken once, for the exact view: anything else is vLLM's own path
+    lm.compute_logits(out[slice(0, 3)])
+    assert lm.stock_calls == 1
+    _step(r, 3, [1, 1, 1])
+    lm.compute_logits(out.clone())  # e.g. vLLM's index kernel's copy of the rows
+    assert lm.stock_calls == 2
+    # a mixed batch's forward has no LM head (all its tokens' rows): vLLM computes
+    _step(r, 2, [5, 1])
+    assert not r._mg_with_logits
+    r._mg_logits.uninstall()
+    assert "compute_logits" not in vars(lm)
+
+
+def test_logits_stay_with_vllm_past_the_buffer_and_on_eager_fallbacks(tmp_path):
+    from vllm_moe_graphs.integration.graph_logits import GraphLogits
+    from vllm_moe_graphs.killswitch import KillSwitch
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=0)
+    lm = _ToyLM()
+    r._mg_logits = GraphLogits(lm, max_rows=2)
+    _, _, out = _step(r, 3, [1, 1, 1])  # bucket 4 > 2 rows: the graph has no LM head
+    assert capture.captures == 1 and not r._mg_with_logits
+    lm.compute_logits(out[slice(0, 3)])
+    assert lm.stock_calls == 1 and r._mg_logits.handed_over == 0
+    _, _, out = _step(r, 2, [1, 1])  # bucket 2: it has
+    lm.compute_logits(out[slice(0, 2)])
+    assert lm.stock_calls == 1 and r._mg_logits.handed_over == 1
+    kill = tmp_path / "kill"
+    kill.touch()
+    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
+    mode, _, out = _step(r, 2, [1, 1])  # the kill switch: eager, vLLM's path throughout
+    assert mode is mode_enum.NONE and not r._mg_with_logits
+    lm.compute_logits(out[slice(0, 2)])
+    assert lm.stock_calls == 2
+
+
+def test_replayed_fast_steps_build_no_attention_metadata(monkeypatch, tmp_path):
+    from vllm_moe_graphs.killswitch import KillSwitch
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    monkeypatch.setattr(GPUModelRunner, "_build_attention_metadata",
+                        lambda self, *a, **kw: ("built", None))
+    r._mg_lean_replay = r._mg_fast_step = True
+    built = []
+    for _ in range(4):  # warm-up, capture (both run the model), replay, replay
+        _step(r, 3, [1, 1, 1], built)
+    assert built == ["built", "built", {}, {}] and capture.replays == 3
+    _step(r, 2, [5, 1], built)  # a mixed batch
+    r._mg_fast_step = False  # inputs prepared by vLLM's path
+    _step(r, 3, [1, 1, 1], built)
+    r._mg_fast_step, r._mg_lean_replay = True, False  # a builder that is not ours
+    _step(r, 3, [1, 1, 1], built)
+    r._mg_lean_replay = True
+    kill = tmp_path / "kill"
+    kill.touch()
+    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
+    _step(r, 3, [1, 1, 1], built)  # eager fallback
+    assert built[4:] == ["built"] * 4
 
 
 def test_decode_steps_pad_to_the_bucket_warm_up_capture_replay_and_slice():

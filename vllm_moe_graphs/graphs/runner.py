@@ -198,6 +198,10 @@ class DecodeGraphRunner:
         return self._pool_bytes
 
     @property
+    def scratch_bytes(self) -> int:
+        return self._scratch_bytes
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

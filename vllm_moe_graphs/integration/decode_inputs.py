@@ -26,7 +26,7 @@ block table (`commit_block_table`)          | host-to-device copy             | 
 `positions[:n]`                             | index, cast, add on the GPU     | one copy
 `seq_lens` (all rows, 0 past n)             | add, copy, fill on the GPU      | one copy
 `slot_mapping.gpu` (-1 past n)              | Triton kernel                   | NumPy, one copy
-logits indices                              | `query_start_loc[1:] - 1`       | a view of a fixed arange
+logits indices                              | `query_start_loc[1:] - 1`       | `slice(0, n)`
 
 Left unwritten: buffers that only speculative decoding, context parallelism or hybrid (Mamba)
 models read (`req_indices`, `query_pos`, `num_scheduled_tokens`, `num_computed_tokens` and
@@ -93,11 +93,6 @@ class DecodeInputs:
         n = runner.max_num_reqs
         self._positions = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self._seq_lens = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        # NOTE: the logits indices' device arange is allocated at the first step, not here: the
-        # runner builds this object in initialize_kv_cache, which vLLM's sleep mode runs inside
-        # its KV cache memory pool, and a level-1 sleep discards that pool's contents (measured:
-        # every row sampled row 0's logits after a wake-up).
-        self._arange: torch.Tensor | None = None
         # scatter indices of the input ids (rows now, rows last step): pinned host staging, and
         # device rows allocated at first use (a step, never inside the sleep-mode pool)
         self._dst = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -109,9 +104,9 @@ class DecodeInputs:
         self._optimistic = runner.optimistic_seq_lens_cpu.numpy()
         self.steps = 0  # steps prepared here (tests, diagnostics)
 
-    def prepare(self, runner: Any, scheduler_output: Any) -> tuple[torch.Tensor, None]:
+    def prepare(self, runner: Any, scheduler_output: Any) -> tuple[slice, None]:
         """`_prepare_inputs` for a pure-decode step (caller checked `pure_decode`): returns
-        (logits indices, no speculative metadata), as vLLM's does."""
+        (logits indices, no speculative metadata), as vLLM's does; the indices as a slice."""
         batch = runner.input_batch
         n = batch.num_reqs
         table = batch.block_table.block_tables[0]
@@ -148,11 +143,13 @@ class DecodeInputs:
         table.slot_mapping.copy_to_gpu()
 
         self._input_ids(runner, n)
-        if self._arange is None:
-            self._arange = torch.arange(len(self._seq_lens), dtype=torch.int32,
-                                        device=self._device)
         self.steps += 1
-        return self._arange[:n], None
+        # NOTE: a slice, not vLLM's index tensor: its one use on this path,
+        # `hidden_states[logits_indices]` in execute_model, then takes a view of rows 0..n-1
+        # (query token i is request i's) instead of launching an index kernel, and
+        # `graph_logits.GraphLogits` recognises that view. Its other readers, speculative
+        # decoding and kv_sharing_fast_prefill, are refused by `unsupported`.
+        return slice(0, n), None
 
     def _input_ids(self, runner: Any, n: int) -> None:
         """vLLM's `_prepare_input_ids` for a pure-decode step, without its per-request Python

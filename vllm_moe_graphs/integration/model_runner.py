@@ -19,6 +19,7 @@ method                                  | parameters after self                 
 `shutdown`                              |                                                      | close
 `execute_model`                         | scheduler_output, intermediate_tensors               | step scope
 `_prepare_inputs`                       | scheduler_output, num_scheduled_tokens               | decode inputs
+`_build_attention_metadata`             | num_tokens, num_reqs, max_query_len, num_tokens_padded, num_reqs_padded, ubatch_slices, logits_indices, use_spec_decode, for_cudagraph_capture, num_scheduled_tokens, cascade_attn_prefix_lens, slot_mappings | skip on replay
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | decide, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
 `capture_model`                         |                                                      | precapture
@@ -27,7 +28,7 @@ storage: read the plugin config, create the one `PagedKVStorage`; register: clas
 and its attention layers by exact type (and, when configured, give its linear layers the small-M
 GEMM, `integration/linear.py`, and its attention the fused q/k norm + RoPE,
 `integration/qk_norm_rope.py`); bind: phase profiling or serving; graphs: create the
-`DecodeGraphRunner` (and `DecodeInputs`) once the serving bind holds. Each hook runs after
+`DecodeGraphRunner` (and `DecodeInputs`, `GraphLogits`) once the serving bind holds. Each hook runs after
 super(), except the unbind (super frees the memory it must release), close (also when super
 raises) and the per-step ones below.
 
@@ -37,8 +38,11 @@ padding` asks `DecodeGraphRunner.decide()` with host ints only (rows, the longes
 `optimistic_seq_lens_cpu`, pure decode or not). On a graph path (replay, capture, warm-up) it
 returns vLLM's FULL runtime mode with a `BatchDescriptor` of the bucket, so vLLM pads inputs,
 slot mapping (-1) and attention metadata (seq_len 0, null block) to the bucket as for its own
-FULL graphs; an eager fallback returns vLLM's unpadded NONE. `_model_forward` then runs the
-step through the `DecodeGraphRunner`, which hands back only the real rows.
+FULL graphs; an eager fallback returns vLLM's unpadded NONE. A replay of a pure-decode step
+builds no attention metadata (`_build_attention_metadata`: the graph reads the persistent
+buffers). `_model_forward` then runs the step through the `DecodeGraphRunner`, which hands back
+only the real rows; on graph paths of batch buckets up to 64 the forward includes the LM head
+(`integration/graph_logits.py`), whose logits vLLM's `compute_logits` call then receives.
 
 Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (precapture).
 
@@ -66,7 +70,6 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,9 +81,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
-from vllm_moe_graphs.graphs.runner import Decision, DecodeGraphRunner
+from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
-from vllm_moe_graphs.integration.precapture import PrecaptureModel
+from vllm_moe_graphs.integration import runner_buffers
+from vllm_moe_graphs.integration.graph_logits import GraphLogits
+from vllm_moe_graphs.integration.precapture import precapture_all
 from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
@@ -108,6 +113,10 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "shutdown": ("self",),
     "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
     "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+    "_build_attention_metadata": (
+        "self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
+        "ubatch_slices", "logits_indices", "use_spec_decode", "for_cudagraph_capture",
+        "num_scheduled_tokens", "cascade_attn_prefix_lens", "slot_mappings"),
     "_determine_batch_execution_and_padding": (
         "self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens",
         "use_cascade_attn", "allow_microbatching", "force_eager", "force_uniform_decode",
@@ -168,6 +177,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self._mg_linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
         self._mg_fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
         self._mg_inputs: DecodeInputs | None = None  # fast_decode_inputs, once serving is bound
+        self._mg_logits: GraphLogits | None = None  # logits_in_graph, with _mg_inputs
+        self._mg_fast_step = False  # this step's inputs came from _mg_inputs
+        self._mg_with_logits = False  # this step's forward computes the logits
+        self._mg_lean_replay = False  # a replay may skip the attention metadata (see below)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
@@ -235,12 +248,40 @@ class MoeGraphsModelRunner(GPUModelRunner):
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._mg_executing, self._mg_pending, self._mg_args = False, None, {}
+            self._mg_fast_step = self._mg_with_logits = False
+            if self._mg_logits is not None:
+                self._mg_logits.clear()
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput,
                         num_scheduled_tokens: np.ndarray) -> tuple[Any, ...]:
         if self._mg_inputs and self._mg_executing and pure_decode(self, scheduler_output):
+            self._mg_fast_step = True
             return self._mg_inputs.prepare(self, scheduler_output)
         return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+
+    def _build_attention_metadata(
+        self, num_tokens: int, num_reqs: int, max_query_len: int,
+        num_tokens_padded: int | None = None, num_reqs_padded: int | None = None,
+        ubatch_slices: Any = None, logits_indices: Any = None, use_spec_decode: bool = False,
+        for_cudagraph_capture: bool = False, num_scheduled_tokens: dict[str, int] | None = None,
+        cascade_attn_prefix_lens: list[list[int]] | None = None,
+        slot_mappings: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[Any, Any]:
+        # NOTE: a replay runs no Python of the model: the graph reads the persistent buffers
+        # the metadata would view (runner_buffers.read_metadata_in_place), so building it is
+        # host time only. Its one device write, the null block id in padded block-table rows,
+        # is never read: padded rows have seq_len 0, and the decode kernel reads no block then.
+        pending = self._mg_pending
+        if (self._mg_lean_replay and self._mg_fast_step and pending is not None
+                and pending[0].action is Action.REPLAY):
+            return {}, None
+        return super()._build_attention_metadata(
+            num_tokens, num_reqs, max_query_len, num_tokens_padded=num_tokens_padded,
+            num_reqs_padded=num_reqs_padded, ubatch_slices=ubatch_slices,
+            logits_indices=logits_indices, use_spec_decode=use_spec_decode,
+            for_cudagraph_capture=for_cudagraph_capture,
+            num_scheduled_tokens=num_scheduled_tokens,
+            cascade_attn_prefix_lens=cascade_attn_prefix_lens, slot_mappings=slot_mappings)
 
     def _determine_batch_execution_and_padding(
         self,
@@ -294,43 +335,21 @@ class MoeGraphsModelRunner(GPUModelRunner):
         d, max_context = pending
         self._mg_args = dict(input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds,
                              intermediate_tensors=intermediate_tensors, **model_kwargs)
+        # NOTE: the LM head joins the forward on every graph path (warm-up, capture, replay)
+        # of a key that has it, whatever prepared the inputs: a key's graph has it or not for
+        # the engine's life. vLLM's compute_logits takes the result only for the exact view.
+        graph_path = d.key is not None and (d.action is not Action.EAGER or d.warming_up)
+        self._mg_with_logits = graph_path and self._mg_logits_for(d.key)
         out, _ = self._mg_graphs.run(d.num_reqs, max_context, d.reason is not Reason.MIXED_BATCH,
                                      decision=d)
+        if self._mg_with_logits:
+            self._mg_logits.hand_over(out, d.num_reqs)
         return out
 
     def capture_model(self) -> int:
-        graphs = self._mg_graphs
-        if graphs is None:
+        if self._mg_graphs is None:
             return super().capture_model()
-        if not self.moe_config.precapture:
-            logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
-                        "bucket after %d warm-up steps", self.moe_config.warmup_steps)
-            return 0
-        keys = graphs.all_keys()
-        logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
-        start = time.perf_counter()
-        real = self._mg_real_model = self.model
-        try:
-            for i, key in enumerate(keys):
-                self._mg_precapture_key = key
-                self.model = PrecaptureModel(self, key)
-                try:
-                    # NOTE: every row at the key's context bucket, as a real step of that key
-                    # would plan it (the decode kernel's split count is a function of the
-                    # bucket). vLLM's capture flag would plan every key for max_model_len.
-                    self._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                                    uniform_decode=True, skip_eplb=True, remove_lora=False,
-                                    is_graph_capturing=False,
-                                    profile_seq_lens=key.context_bucket)  # <= max_model_len
-                finally:
-                    self.model = real
-                    self._mg_precapture_key = None
-                if (i + 1) % 8 == 0 or i + 1 == len(keys):
-                    logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
-                                time.perf_counter() - start)
-        finally:
-            self._mg_real_model = None
-        return graphs.pool_bytes
+        return precapture_all(self, self._mg_graphs)
 
     # -- helpers (names are ours: none shadows a GPUModelRunner attribute) -----------------------
     @property
@@ -343,40 +362,21 @@ class MoeGraphsModelRunner(GPUModelRunner):
         ids = args.get("input_ids")
         rows = ids.shape[0] if ids is not None else args["inputs_embeds"].shape[0]
         assert rows >= batch_size, f"step has {rows} input rows, the runner asked {batch_size}"
-        return self._mg_model(**args)
+        hidden = self._mg_model(**args)
+        if self._mg_with_logits:
+            self._mg_logits.compute(hidden)
+        return hidden
+
+    def _mg_logits_for(self, key: GraphKey) -> bool:
+        """Whether `key`'s graph computes the logits (fixed per key for the engine's life)."""
+        logits = self._mg_logits
+        return logits is not None and key.batch_bucket <= logits.buffer.shape[0]
 
     @staticmethod
     def _mg_padded(out: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
         """vLLM's FULL runtime mode with a uniform-decode descriptor of `batch` rows."""
         desc = BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True)
         return (CUDAGraphMode.FULL, desc, *out[2:])
-
-    def _mg_kv_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Layer name -> the KV tensor vLLM bound to that layer (`bind_kv_cache`)."""
-        ctx: dict[str, Any] = self.compilation_config.static_forward_context
-        out = {}
-        for name in names:
-            t = getattr(ctx.get(name), "kv_cache", None)
-            if isinstance(t, torch.Tensor) and t.numel():
-                out[name] = t
-        return out
-
-    def _mg_buffers(self) -> dict[str, torch.Tensor]:
-        """The persistent buffers a decode graph reads (vLLM's inputs and our metadata)."""
-        from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
-
-        bufs = {"input_ids": self.input_ids.gpu, "positions": self.positions,
-                "query_start_loc": self.query_start_loc.gpu, "seq_lens": self.seq_lens}
-        for gid, table in enumerate(self.input_batch.block_table.block_tables):
-            bufs[f"block_table.{gid}"] = table.block_table.gpu
-            bufs[f"slot_mapping.{gid}"] = table.slot_mapping.gpu
-        for gi, groups in enumerate(self.attn_groups):
-            for ai, group in enumerate(groups):
-                builder = group.get_metadata_builder()
-                if isinstance(builder, MoeGraphsMetadataBuilder):
-                    for name, t in builder.persistent_buffers().items():
-                        bufs[f"attn.{gi}.{ai}.{name}"] = t
-        return bufs
 
     def _mg_bind(self, phase: Phase) -> None:
         layers = self._mg_layers
@@ -387,14 +387,14 @@ class MoeGraphsModelRunner(GPUModelRunner):
                         proof.detail)
             return
         indices = layers.layer_indices
-        kv = self._mg_kv_tensors(indices)
+        kv = runner_buffers.kv_tensors(self, indices)
         if set(kv) != set(indices):
             logger.warning("moe_graphs: KV storage not bound: vLLM bound no KV tensor for %s",
                            sorted(set(indices) - set(kv)))
             return
         try:
             identity = self.moe_storage.bind(kv, phase=phase, layer_indices=indices,
-                                             buffers=self._mg_buffers())
+                                             buffers=runner_buffers.graph_buffers(self))
         except ValueError as exc:  # e.g. another attention backend's layout: stock vLLM runs
             logger.warning("moe_graphs: KV storage not bound (%s phase): %s", phase.value, exc)
             return
@@ -404,27 +404,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
             self.moe_storage.invalidate(match.detail)
         ctx = self.compilation_config.static_forward_context
         self._mg_kv_watch = tuple((ctx[name], t) for name, t in kv.items())
-        self._mg_metadata_in_place()
+        self._mg_lean_replay = runner_buffers.read_metadata_in_place(self)
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.moe_storage.generation,
                     self.moe_storage.proof().reason.value)
-
-    def _mg_metadata_in_place(self) -> None:
-        """Let our metadata builders read vLLM's persistent query_start_loc, seq_lens and block
-        tables in place (no per-step copies): they are in the storage's identity just bound.
-        Only while vLLM's own capture is off (its capture path rewrites seq_lens)."""
-        from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
-
-        own = self.compilation_config.cudagraph_mode
-        if own is not None and own.name != "NONE":
-            return
-        tables = self.input_batch.block_table.block_tables
-        for gid, groups in enumerate(self.attn_groups):
-            for group in groups:
-                builder = group.get_metadata_builder()
-                if isinstance(builder, MoeGraphsMetadataBuilder) and gid < len(tables):
-                    builder.read_in_place(self.query_start_loc.gpu, self.seq_lens,
-                                          tables[gid].block_table.gpu)
 
     def _mg_drop_graphs(self, event: str) -> None:
         """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
@@ -474,7 +457,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
             self._mg_forward, config, storage=self.moe_storage,
             kill_switch=KillSwitch.from_env(), metrics=rec)
         self._mg_graphs.set_scratch_bytes(sum(
-            t.numel() * t.element_size() for t in self._mg_buffers().values()))
+            t.numel() * t.element_size() for t in runner_buffers.graph_buffers(self).values()))
         logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
                     "warm-up %d steps, pool budget %d MiB",
                     list(config.decode_batch_buckets),
@@ -488,12 +471,25 @@ class MoeGraphsModelRunner(GPUModelRunner):
             self._mg_inputs = DecodeInputs(self) if why is None else None
             logger.info("moe_graphs: decode inputs prepared by %s",
                         f"vLLM ({why})" if why else "the plugin (fast_decode_inputs)")
+        if self.moe_config.logits_in_graph and self._mg_inputs and not self._mg_logits:
+            from vllm_moe_graphs.integration import graph_logits
+
+            why = graph_logits.unsupported(self.get_model())
+            rows = min(graph_logits.MAX_ROWS, self._mg_graphs.config.decode_batch_buckets[-1])
+            self._mg_logits = None if why else GraphLogits(self.get_model(), rows)
+            logger.info("moe_graphs: logits computed %s", f"by vLLM ({why})" if why else
+                        f"inside the decode graphs (logits_in_graph, batch buckets <= {rows}, "
+                        f"{self._mg_logits.nbytes / (1 << 20):.1f} MiB static buffer)")
+            if self._mg_logits is not None:
+                self._mg_graphs.set_scratch_bytes(self._mg_graphs.scratch_bytes
+                                                  + self._mg_logits.nbytes)
 
     def _mg_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:
             return
         names = self.moe_storage.identity().layer_indices
-        proof = self.moe_storage.revalidate(self._mg_kv_tensors(names), self._mg_buffers())
+        proof = self.moe_storage.revalidate(runner_buffers.kv_tensors(self, names),
+                                            runner_buffers.graph_buffers(self))
         logger.info("moe_graphs: KV storage after %s: %s%s", event, proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
         if proof.reason is Reason.STORAGE_IDENTITY_CHANGED:

@@ -1,0 +1,65 @@
+"""The V1 runner's tensors a decode graph depends on: the KV tensor of each attention layer, the
+persistent input and metadata buffers a replay reads, and our metadata builders' in-place reads.
+Functions of a `MoeGraphsModelRunner` (vLLM 0.26.0 attribute names)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def kv_tensors(runner: Any, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Layer name -> the KV tensor vLLM bound to that layer (`bind_kv_cache`)."""
+    ctx: dict[str, Any] = runner.compilation_config.static_forward_context
+    out = {}
+    for name in names:
+        t = getattr(ctx.get(name), "kv_cache", None)
+        if isinstance(t, torch.Tensor) and t.numel():
+            out[name] = t
+    return out
+
+
+def graph_buffers(runner: Any) -> dict[str, torch.Tensor]:
+    """The persistent buffers a decode graph reads (vLLM's inputs and our metadata)."""
+    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+
+    bufs = {"input_ids": runner.input_ids.gpu, "positions": runner.positions,
+            "query_start_loc": runner.query_start_loc.gpu, "seq_lens": runner.seq_lens}
+    for gid, table in enumerate(runner.input_batch.block_table.block_tables):
+        bufs[f"block_table.{gid}"] = table.block_table.gpu
+        bufs[f"slot_mapping.{gid}"] = table.slot_mapping.gpu
+    for gi, groups in enumerate(runner.attn_groups):
+        for ai, group in enumerate(groups):
+            builder = group.get_metadata_builder()
+            if isinstance(builder, MoeGraphsMetadataBuilder):
+                for name, t in builder.persistent_buffers().items():
+                    bufs[f"attn.{gi}.{ai}.{name}"] = t
+    return bufs
+
+
+def read_metadata_in_place(runner: Any) -> bool:
+    """Let our metadata builders read vLLM's persistent query_start_loc, seq_lens and block
+    tables in place (no per-step copies): they are in the storage's identity just bound.
+    Only while vLLM's own capture is off (its capture path rewrites seq_lens).
+
+    Returns whether a replayed step may skip building attention metadata: every builder is
+    ours and reads in place (so a build has no device copy to skip), and nothing else reads the
+    metadata of a replayed step (vLLM's routed-experts capture does)."""
+    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+
+    own = runner.compilation_config.cudagraph_mode
+    if own is not None and own.name != "NONE":
+        return False
+    tables = runner.input_batch.block_table.block_tables
+    ours = 0
+    for gid, groups in enumerate(runner.attn_groups):
+        for group in groups:
+            builder = group.get_metadata_builder()
+            if isinstance(builder, MoeGraphsMetadataBuilder) and gid < len(tables):
+                builder.read_in_place(runner.query_start_loc.gpu, runner.seq_lens,
+                                      tables[gid].block_table.gpu)
+                ours += 1
+    return ours == sum(map(len, runner.attn_groups)) > 0 and not getattr(
+        runner, "routed_experts_initialized", False)
