@@ -67,7 +67,8 @@ def buffers():
 
 
 stats = {"fast": 0, "vllm_only": 0, "mismatches": [], "batches": set(), "max_position": 0,
-         "async": 0, "kept_rows": 0, "moved_rows": 0, "new_rows": 0}
+         "async": 0, "kept_rows": 0, "moved_rows": 0, "new_rows": 0, "bookkeeping": 0,
+         "bookkeeping_vllm": 0, "discarded_rows": 0}
 stock = runner._prepare_inputs
 
 
@@ -117,6 +118,59 @@ def checked(scheduler_output, num_scheduled_tokens):
 
 
 runner._prepare_inputs = checked
+stock_bookkeeping = runner._bookkeeping_sync
+
+
+def bookkeeping_state():
+    b = runner.input_batch
+    return {"token_ids": b.token_ids_cpu.copy(), "is_token_ids": b.is_token_ids.copy(),
+            "num_tokens_no_spec": b.num_tokens_no_spec.copy(),
+            "outputs": {r: list(st.output_token_ids) for r, st in runner.requests.items()},
+            "prev_sampled": b.prev_sampled_token_ids,
+            "prev_index": dict(b.prev_req_id_to_index or {})}
+
+
+def checked_bookkeeping(scheduler_output, sampler_output, logits, hidden_states, n_tokens):
+    # vLLM's _bookkeeping_sync, then DecodeInputs.bookkeeping from the same state: the same
+    # return value and the same runner state afterwards
+    if not pure_decode(runner, scheduler_output):
+        return stock_bookkeeping(scheduler_output, sampler_output, logits, hidden_states, n_tokens)
+    b = runner.input_batch
+    before = bookkeeping_state()
+    ref = stock_bookkeeping(scheduler_output, sampler_output, logits, hidden_states, n_tokens)
+    ref_state = bookkeeping_state()
+    b.token_ids_cpu[:] = before["token_ids"]
+    b.is_token_ids[:] = before["is_token_ids"]
+    b.num_tokens_no_spec[:] = before["num_tokens_no_spec"]
+    for r, ids in before["outputs"].items():
+        runner.requests[r].output_token_ids[:] = ids
+    b.prev_sampled_token_ids, b.prev_req_id_to_index = before["prev_sampled"], before["prev_index"]
+    mine = fast.bookkeeping(runner, sampler_output)
+    if mine is None:
+        stats["bookkeeping_vllm"] += 1
+        b.token_ids_cpu[:] = ref_state["token_ids"]  # vLLM's result stands
+        b.is_token_ids[:] = ref_state["is_token_ids"]
+        b.num_tokens_no_spec[:] = ref_state["num_tokens_no_spec"]
+        for r, ids in ref_state["outputs"].items():
+            runner.requests[r].output_token_ids[:] = ids
+        b.prev_sampled_token_ids = ref_state["prev_sampled"]
+        b.prev_req_id_to_index = ref_state["prev_index"]
+        return ref
+    stats["bookkeeping"] += 1
+    mine_state = bookkeeping_state()
+    if repr(mine) != repr(ref):
+        stats["mismatches"].append(f"bookkeeping returned {mine!r} vs vLLM {ref!r}")
+    for k, v in ref_state.items():
+        w = mine_state[k]
+        same = (v is w) if k == "prev_sampled" else (
+            bool((v == w).all()) if hasattr(v, "shape") else v == w)
+        if not same:
+            stats["mismatches"].append(f"bookkeeping state {k} differs")
+    stats["discarded_rows"] += len(ref[-1])
+    return mine
+
+
+runner._bookkeeping_sync = checked_bookkeeping
 rng = np.random.default_rng(0)
 vocab = 300
 plan = [(int(rng.integers(2, 40)), int(rng.integers(4, 70))) for _ in range(14)]
@@ -152,8 +206,11 @@ def test_decode_inputs_match_vllm_prepare_inputs(cpu_vllm: str, scheduling: str)
         # new to the batch arrives by a prefill step, so a pure-decode step never has one.)
         assert stats["async"] >= 100, stats
         assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats
+        # the placeholder bookkeeping ran ours on every pure-decode step, compared with vLLM's
+        assert stats["bookkeeping"] >= 100 and stats["bookkeeping_vllm"] == 0, stats
     else:
         assert stats["async"] == 0, stats
+        assert stats["bookkeeping"] == 0 and stats["bookkeeping_vllm"] >= 100, stats
 
 
 @pytest.mark.gpu
@@ -174,3 +231,4 @@ def test_gpu_decode_inputs_match_vllm_prepare_inputs() -> None:
     assert stats["mismatches"] == [], stats["mismatches"][:10]
     assert stats["finished"] == 14 and stats["fast"] >= 100 and stats["async"] >= 100, stats
     assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats
+    assert stats["bookkeeping"] >= 100 and stats["bookkeeping_vllm"] == 0, stats

@@ -22,6 +22,7 @@ method                                  | parameters after self                 
 `_build_attention_metadata`             | num_tokens, num_reqs, max_query_len, num_tokens_padded, num_reqs_padded, ubatch_slices, logits_indices, use_spec_decode, for_cudagraph_capture, num_scheduled_tokens, cascade_attn_prefix_lens, slot_mappings | skip on replay
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | decide, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
+`_bookkeeping_sync`                      | scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens | decode bookkeeping
 `capture_model`                         |                                                      | precapture
 
 storage: read the plugin config, create the one `PagedKVStorage`; register: classify the model
@@ -123,6 +124,8 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
         "force_has_lora", "force_num_active_loras", "num_encoder_reqs"),
     "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
                        "model_kwargs"),
+    "_bookkeeping_sync": ("self", "scheduler_output", "sampler_output", "logits",
+                          "hidden_states", "num_scheduled_tokens"),
     "capture_model": ("self",),
 }
 CALLED: dict[str, tuple[str, ...]] = {
@@ -345,6 +348,15 @@ class MoeGraphsModelRunner(GPUModelRunner):
         if self._mg_with_logits:
             self._mg_logits.hand_over(out, d.num_reqs)
         return out
+
+    def _bookkeeping_sync(self, scheduler_output: SchedulerOutput, sampler_output: Any,
+                          logits: torch.Tensor | None, hidden_states: torch.Tensor,
+                          num_scheduled_tokens: int) -> tuple[Any, ...]:
+        if self._mg_inputs is not None and pure_decode(self, scheduler_output) and (
+                out := self._mg_inputs.bookkeeping(self, sampler_output)) is not None:
+            return out
+        return super()._bookkeeping_sync(scheduler_output, sampler_output, logits,
+                                         hidden_states, num_scheduled_tokens)
 
     def capture_model(self) -> int:
         if self._mg_graphs is None:
