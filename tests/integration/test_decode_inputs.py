@@ -45,8 +45,10 @@ if ASYNC:
 
     CpuPlatform.check_and_update_config = classmethod(_keep_async)
 GPU = len(sys.argv) > 3 and sys.argv[3] == "gpu"
-# on the GPU: bfloat16, and TRITON_ATTN (the GPU bundle has no FlashAttention)
-extra = {"attention_config": {"backend": "TRITON_ATTN"}} if GPU else {}
+# on the GPU: bfloat16, TRITON_ATTN (the GPU bundle has no FlashAttention), and a fixed 1 GiB
+# KV cache instead of vLLM's default 92% of the GPU (other test lanes share it)
+extra = {"attention_config": {"backend": "TRITON_ATTN"}, "gpu_memory_utilization": 0.05,
+         "kv_cache_memory_bytes": 1 << 30} if GPU else {}
 llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
           dtype="bfloat16" if GPU else "float32", seed=0, async_scheduling=ASYNC, **extra)
 engine = llm.llm_engine
