@@ -28,7 +28,8 @@ def _model(lp=None, **head):
                                     bias=None)
     for k, v in head.items():
         setattr(lm_head, k, v)
-    return types.SimpleNamespace(logits_processor=lp or LogitsProcessor(8), lm_head=lm_head)
+    return types.SimpleNamespace(logits_processor=lp or LogitsProcessor(8), lm_head=lm_head,
+                                 compute_logits=lambda h: "vLLM's")
 
 
 @pytest.fixture
@@ -82,6 +83,31 @@ def test_anything_else_stays_with_vllm(tp, case, reason):
         tp["n"] = 2
     why = graph_logits.unsupported(_model(lp, **head))
     assert why is not None and reason in why, why
+
+
+class _Graphs:
+    """What install_graph_logits reads and writes of a DecodeGraphRunner."""
+
+    def __init__(self, buckets):
+        self.config = types.SimpleNamespace(decode_batch_buckets=buckets)
+        self.scratch_bytes = 100
+
+    def set_scratch_bytes(self, n):
+        self.scratch_bytes = n
+
+
+def test_install_sizes_the_buffer_to_the_buckets_and_counts_it_as_scratch(tp):
+    model = _model()
+    graphs = _Graphs((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))
+    logits = graph_logits.install_graph_logits(model, graphs)
+    assert logits.buffer.shape == (graph_logits.MAX_ROWS, 8)  # capped at 64 rows
+    assert graphs.scratch_bytes == 100 + logits.nbytes == 100 + 64 * 8 * 2
+    assert model.compute_logits == logits._compute_logits
+    assert graph_logits.install_graph_logits(_model(), _Graphs((1, 2, 4))).buffer.shape[0] == 4
+    model.logits_processor.soft_cap = 30.0
+    untouched = _Graphs((1, 2))
+    assert graph_logits.install_graph_logits(model, untouched) is None
+    assert untouched.scratch_bytes == 100
 
 
 @pytest.mark.gpu

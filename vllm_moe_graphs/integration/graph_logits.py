@@ -32,9 +32,15 @@ fails; the engine then computes logits as vLLM does).
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+
+logger = logging.getLogger("vllm.moe_graphs")
 
 # Rows of the static logits buffer: batch buckets up to this many compute their logits inside
 # the graph (64 x Qwen3's 151936 vocab in bfloat16: 19 MiB); larger batches are GPU-bound, where
@@ -66,6 +72,20 @@ def unsupported(model: Any) -> str | None:
     if lp.head_dtype is not None and lp.head_dtype != weight.dtype:
         return f"head dtype {lp.head_dtype} (model {weight.dtype})"
     return None
+
+
+def install_graph_logits(model: Any, graphs: DecodeGraphRunner) -> GraphLogits | None:
+    """A `GraphLogits` for `model`, sized to the graphs' batch buckets (at most MAX_ROWS), its
+    buffer counted in the graphs' scratch bytes; None (logged why) when `unsupported`."""
+    if (why := unsupported(model)) is not None:
+        logger.info("moe_graphs: logits computed by vLLM (%s)", why)
+        return None
+    rows = min(MAX_ROWS, graphs.config.decode_batch_buckets[-1])
+    logits = GraphLogits(model, rows)
+    graphs.set_scratch_bytes(graphs.scratch_bytes + logits.nbytes)
+    logger.info("moe_graphs: logits computed inside the decode graphs (logits_in_graph, batch "
+                "buckets <= %d, %.1f MiB static buffer)", rows, logits.nbytes / (1 << 20))
+    return logits
 
 
 class GraphLogits:

@@ -85,7 +85,7 @@ from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
 from vllm_moe_graphs.integration import runner_buffers
-from vllm_moe_graphs.integration.graph_logits import GraphLogits
+from vllm_moe_graphs.integration.graph_logits import GraphLogits, install_graph_logits
 from vllm_moe_graphs.integration.precapture import precapture_all
 from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
@@ -484,17 +484,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
             logger.info("moe_graphs: decode inputs prepared by %s",
                         f"vLLM ({why})" if why else "the plugin (fast_decode_inputs)")
         if self.moe_config.logits_in_graph and self._mg_inputs and not self._mg_logits:
-            from vllm_moe_graphs.integration import graph_logits
-
-            why = graph_logits.unsupported(self.get_model())
-            rows = min(graph_logits.MAX_ROWS, self._mg_graphs.config.decode_batch_buckets[-1])
-            self._mg_logits = None if why else GraphLogits(self.get_model(), rows)
-            logger.info("moe_graphs: logits computed %s", f"by vLLM ({why})" if why else
-                        f"inside the decode graphs (logits_in_graph, batch buckets <= {rows}, "
-                        f"{self._mg_logits.nbytes / (1 << 20):.1f} MiB static buffer)")
-            if self._mg_logits is not None:
-                self._mg_graphs.set_scratch_bytes(self._mg_graphs.scratch_bytes
-                                                  + self._mg_logits.nbytes)
+            self._mg_logits = install_graph_logits(self.get_model(), self._mg_graphs)
 
     def _mg_revalidate(self, event: str) -> None:
         if self.moe_storage.closed or not self.moe_storage.bound:
