@@ -234,3 +234,55 @@ def test_gpu_decode_inputs_match_vllm_prepare_inputs() -> None:
     assert stats["finished"] == 14 and stats["fast"] >= 100 and stats["async"] >= 100, stats
     assert min(stats["kept_rows"], stats["moved_rows"]) > 0, stats
     assert stats["bookkeeping"] >= 100 and stats["bookkeeping_vllm"] == 0, stats
+
+
+def test_bookkeeping_skips_discarded_rows_as_vllm_does():
+    """The discarded-row branch of `DecodeInputs.bookkeeping` (a request whose sampled token is
+    thrown away), which the engine probe's pure-decode steps never reach: the row gets no
+    placeholder, keeps its count, leaves the next step's row map and is returned as invalid;
+    its generator steps back 4 offsets, as in vLLM's `_bookkeeping_sync`."""
+    import types
+
+    import numpy as np
+
+    from vllm_moe_graphs.integration.decode_inputs import DecodeInputs
+
+    class Gen:
+        def __init__(self):
+            self.offset = 12
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, v):
+            self.offset = v
+
+    n, ns = 3, types.SimpleNamespace
+    gen = Gen()
+    batch = ns(num_reqs=n, req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2},
+               generators={1: gen}, prev_sampled_token_ids=None, prev_req_id_to_index=None,
+               token_ids_cpu=np.zeros((n, 8), dtype=np.int32),
+               is_token_ids=np.zeros((n, 8), dtype=bool),
+               num_tokens_no_spec=np.array([3, 5, 2], dtype=np.int32))
+    runner = ns(input_batch=batch, use_async_scheduling=True, num_prompt_logprobs={},
+                discard_request_mask=ns(np=np.array([False, True, False])),
+                arange_np=np.arange(8), max_model_len=8,
+                requests={r: ns(output_token_ids=[7]) for r in "abc"})
+    sampled = torch.zeros(n, 1, dtype=torch.int32)
+    fast = DecodeInputs.__new__(DecodeInputs)  # bookkeeping reads no staging row
+    out = fast.bookkeeping(runner, ns(sampled_token_ids=sampled))
+    assert out == ({}, None, [], {}, ["a", "b", "c"], {"a": 0, "b": 1, "c": 2}, [1])
+    assert batch.prev_sampled_token_ids is sampled
+    assert batch.prev_req_id_to_index == {"a": 0, "c": 2}
+    assert batch.num_tokens_no_spec.tolist() == [4, 5, 3]
+    assert batch.token_ids_cpu[0, 3] == -1 and batch.token_ids_cpu[2, 2] == -1
+    assert batch.is_token_ids.sum() == 2 and not batch.is_token_ids[1].any()
+    assert [runner.requests[r].output_token_ids for r in "abc"] == [[7, -1], [7], [7, -1]]
+    assert gen.offset == 8
+    # past max_model_len: vLLM's assertion
+    batch.num_tokens_no_spec[:] = 8
+    with pytest.raises(AssertionError, match="exceed the max model length"):
+        fast.bookkeeping(runner, ns(sampled_token_ids=sampled))
+    # synchronous scheduling is not this path: vLLM's own runs
+    runner.use_async_scheduling = False
+    assert fast.bookkeeping(runner, ns(sampled_token_ids=sampled)) is None

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import vllm.envs as envs
 
 PAD_SLOT_ID = -1  # vLLM's PAD_SLOT_ID: the KV write skips these rows
 
@@ -194,8 +195,6 @@ class DecodeInputs:
         the step is not that case (the caller then runs vLLM's). Writes what vLLM's writes: the
         placeholder token (-1) of every kept request into the host token table, its count, and
         the request's output ids; last step's sampled tokens and row map for the next step."""
-        import vllm.envs as envs
-
         sampled = sampler_output.sampled_token_ids
         batch = runner.input_batch
         n = batch.num_reqs
