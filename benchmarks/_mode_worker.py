@@ -383,6 +383,7 @@ def measure_one(
         point.step_ms += [round(s, 4) for s in steps]
         point.repeat_p50_ms.append(round(p50, 4))
         point.prefill_s.append(round(prefill_s, 3))
+        point.point_s.append(round(time.perf_counter() - t0, 3))
         point.repeats_done += 1
         save()
     what = f"rep {rep + 1}/{spec.repeats}" if record else "warm-up"

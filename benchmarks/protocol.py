@@ -60,6 +60,7 @@ class PointResult:
     step_ms: list[float] = dataclasses.field(default_factory=list)  # all repeats, in order
     repeat_p50_ms: list[float] = dataclasses.field(default_factory=list)
     prefill_s: list[float] = dataclasses.field(default_factory=list)  # per repeat, untimed part
+    point_s: list[float] = dataclasses.field(default_factory=list)  # per repeat: add to all done
     repeats_done: int = 0
     error: str | None = None
 
@@ -110,6 +111,7 @@ def merge_rounds(results: list[WorkerResult]) -> list[WorkerResult]:
                 q.step_ms += p.step_ms
                 q.repeat_p50_ms += p.repeat_p50_ms
                 q.prefill_s += p.prefill_s
+                q.point_s += p.point_s
                 q.repeats_done += p.repeats_done
                 q.error = None if q.step_ms else (q.error or p.error)
         merged.append(out)

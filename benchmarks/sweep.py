@@ -176,7 +176,8 @@ class _Worker:
 
     module = "benchmarks._mode_worker"  # what `python -m` runs (tests put a stand-in here)
 
-    def __init__(self, spec: WorkerSpec, work_dir: Path, interactive: bool = False) -> None:
+    def __init__(self, spec: WorkerSpec, work_dir: Path, interactive: bool = False,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.spec = spec
         stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
         spec_path, self.log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
@@ -188,7 +189,7 @@ class _Worker:
         self.control: queue.Queue[str] | None = queue.Queue() if interactive else None
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in finish()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, str(spec_path)],
+            [sys.executable, "-m", self.module, str(spec_path), *extra_args],
             cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.PIPE if interactive else subprocess.DEVNULL,
@@ -258,9 +259,11 @@ class _Worker:
         return result, error
 
 
-def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float) -> tuple[WorkerResult, str | None]:
-    """Run one worker to completion or `limit_s`; returns its result and a run-level error."""
-    return _Worker(spec, work_dir).finish(limit_s)
+def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float,
+               extra_args: tuple[str, ...] = ()) -> tuple[WorkerResult, str | None]:
+    """Run one worker to completion or `limit_s`; returns its result and a run-level error.
+    `extra_args` go to the worker's command line (e.g. `--allow-cpu`)."""
+    return _Worker(spec, work_dir, extra_args=extra_args).finish(limit_s)
 
 
 def environment(

@@ -1,4 +1,4 @@
-"""A stand-in for `benchmarks._mode_worker` in interleaved runs (tests only): no engine, no GPU.
+"""A stand-in for `benchmarks._mode_worker` (tests only): no engine, no GPU.
 
 Speaks the worker's stdin/stdout protocol and writes a WorkerResult like the real one. Each
 recorded repeat gets steps of `FAKE_STEP_MS_<MODE>` ms (default 1.0); the mode named in
@@ -24,9 +24,31 @@ from benchmarks.protocol import (
 )
 
 
+def one_start(spec) -> None:  # noqa: ANN001 - a WorkerSpec
+    """A non-interactive run (`benchmarks.startup`): start-up `FAKE_COLD_S_<MODE>` (default 2.0)
+    when `$VLLM_CACHE_ROOT/fake-warm` is absent (then written), else `FAKE_WARM_S_<MODE>`
+    (default 1.0); one point, wall 0.5 s."""
+    marker = os.path.join(os.environ["VLLM_CACHE_ROOT"], "fake-warm")
+    cold = not os.path.exists(marker)
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    open(marker, "w").close()
+    result = WorkerResult(model=spec.model, mode=spec.mode, status="ok", import_s=0.2,
+                          startup_s=float(os.environ.get(
+                              f"FAKE_{'COLD' if cold else 'WARM'}_S_{spec.mode.upper()}",
+                              "2.0" if cold else "1.0")),
+                          resolved={"cache_root": os.environ["VLLM_CACHE_ROOT"]})
+    point = result.point(spec.batches[0], spec.contexts[0])
+    point.repeat_p50_ms, point.prefill_s, point.point_s = [1.0], [0.1], [0.5]
+    point.repeats_done = 1
+    write_json_atomic(spec.result_path, result_to_json(result))
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = spec_from_json(json.load(f))
+    if not spec.interleaved:
+        one_start(spec)
+        return
     result = WorkerResult(model=spec.model, mode=spec.mode, status="running", startup_s=0.1)
     write_json_atomic(spec.result_path, result_to_json(result))
     step = float(os.environ.get(f"FAKE_STEP_MS_{spec.mode.upper()}", "1.0"))

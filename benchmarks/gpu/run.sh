@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/gpu/run.sh -- the decode benchmark on the lent H200, inside one device call.
+# benchmarks/gpu/run.sh -- the decode (or start-up) benchmark on the lent H200, in one device call.
 #
 #   bash benchmarks/gpu/run.sh [benchmarks.decode args...]
 #
@@ -16,7 +16,9 @@
 #   $OUT/nvidia-smi.txt       the GPU at the end
 # Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
 # (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_PIN=N (see below), and
-# BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit).
+# BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit), and
+# BENCH_MODULE (default benchmarks.decode; benchmarks.startup runs the start-up protocol with the
+# same --results-dir/--log-dir/--time-budget-s; writes <name>.json, no plot).
 set -uo pipefail
 T0=$(date +%s)
 GUARD_S=${RUN_GUARD_S:-555}
@@ -70,7 +72,7 @@ if [ "${BENCH_PIN:-0}" -gt 0 ]; then
   say "pinned to CPUs ${cpus:-?} (BENCH_PIN=$BENCH_PIN)"
 fi
 say "benchmark: budget ${BUDGET}s, args: $*"
-timeout --kill-after=10 "$((BUDGET + 10))" "${PIN[@]}" python3 -m benchmarks.decode \
+timeout --kill-after=10 "$((BUDGET + 10))" "${PIN[@]}" python3 -m "${BENCH_MODULE:-benchmarks.decode}" \
   --results-dir "$OUT" --log-dir "$LOGDIR" --time-budget-s "$BUDGET" "$@"
 bench_rc=$?
 [ $bench_rc -eq 124 ] || [ $bench_rc -eq 137 ] && say "benchmark hit the shell timeout"
