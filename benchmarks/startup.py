@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -166,8 +167,17 @@ def prime(config_dir: Path, work_dir: Path, allow_cpu: bool) -> dict[str, Any]:
     return {**facts, "wall_s": round(time.monotonic() - t0, 2)}
 
 
+JIT_RECORD = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
+
+
+def jit_in_requests(log_text: str) -> list[str]:
+    """Kernels vLLM's JIT monitor saw compiled after the engine was ready (while requests ran):
+    work a start left to the first requests."""
+    return sorted(set(JIT_RECORD.findall(log_text)))
+
+
 def run_row(result: WorkerResult, rnd: int, order: int, wall_s: float,
-            error: str | None) -> dict[str, Any]:
+            error: str | None, log_text: str = "") -> dict[str, Any]:
     point = result.points[0] if result.points else None
     first = None
     if point is not None and point.point_s:
@@ -181,7 +191,8 @@ def run_row(result: WorkerResult, rnd: int, order: int, wall_s: float,
         "init_engine_s": result.resolved.get("init_engine_s"), "compile_s": result.compile_s,
         "capture_s": result.capture_s, "graph_mem_mib": result.graph_mem_mib,
         "runner": result.runner, "cudagraph_mode": result.resolved.get("cudagraph_mode"),
-        "first_point": first, "worker_wall_s": round(wall_s, 2),
+        "first_point": first, "jit_in_requests": jit_in_requests(log_text),
+        "worker_wall_s": round(wall_s, 2),
     }
 
 
@@ -207,6 +218,8 @@ def summarise(runs: list[dict[str, Any]], modes: list[Mode]) -> dict[str, Any]:
             entry[cache] = {"n": len(ok), "startup_s": _median(starts),
                             "startup_samples_s": [round(s, 3) for s in starts],
                             "first_point_s": _median(firsts),
+                            "jit_in_requests": sorted({k for r in ok
+                                                       for k in r["jit_in_requests"]}),
                             "ready_and_first_point_s": _median(
                                 [r["startup_s"] + r["first_point"]["wall_s"]
                                  for r in ok if r["first_point"]])}
@@ -246,6 +259,11 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"{name:<24}{f(c['startup_s']):>10}{f(w['startup_s']):>10}  {samples:<26}"
                      f"{f(c['first_point_s']):>12}{f(w['first_point_s']):>12}"
                      f"{f(w['ready_and_first_point_s']):>11}")
+    for name, e in doc["summary"]["modes"].items():
+        jit = sorted(set(e["cold"]["jit_in_requests"]) | set(e["warm"]["jit_in_requests"]))
+        if jit:
+            lines.append(f"{name}: Triton compiles after ready (vLLM's JIT monitor): "
+                         + ", ".join(jit))
     for v in doc["summary"]["targets"]:
         lines.append(
             f"{v['mode']} {v['cache']}: {v['vs_stock_full_decode_nc']:.2f}x "
@@ -310,12 +328,16 @@ def run(args: argparse.Namespace) -> int:
         result, error = sweep.run_worker(spec, work_dir, limit, extra_args)
         walls[mode.name] = time.monotonic() - t0
         results.append(result)
-        row = run_row(result, rnd, order, walls[mode.name], error)
+        log = work_dir / f"log-{args.model}-{mode.name}{f'-r{rnd}' if rnd else ''}.txt"
+        row = run_row(result, rnd, order, walls[mode.name], error,
+                      log.read_text(errors="replace") if log.is_file() else "")
         runs.append(row)
         first = row["first_point"]
         print(f"[startup] {mode.name} round {rnd}: {result.status}, start-up "
               f"{_fmt(result.startup_s)} s, first point "
               f"{_fmt(first and first['wall_s'])} s, worker {walls[mode.name]:.1f} s"
+              + (f", JIT in requests: {', '.join(row['jit_in_requests'])}"
+                 if row["jit_in_requests"] else "")
               + (f", error: {error.splitlines()[0]}" if error else ""), flush=True)
     env = sweep.environment(args, results, {args.model: layers}, [])
     doc = {"name": args.name, "kind": "startup", "env": env,

@@ -41,6 +41,9 @@ def one_start(spec) -> None:  # noqa: ANN001 - a WorkerSpec
     point.repeat_p50_ms, point.prefill_s, point.point_s = [1.0], [0.1], [0.5]
     point.repeats_done = 1
     write_json_atomic(spec.result_path, result_to_json(result))
+    if cold and os.environ.get("FAKE_COLD_JIT") == spec.mode:
+        print("WARNING [jit_monitor.py:135] Triton kernel JIT compilation during inference: "
+              "_fake_kernel. This causes a latency spike.", flush=True)
 
 
 def main() -> None:

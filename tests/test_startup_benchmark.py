@@ -29,6 +29,7 @@ def test_cold_then_warm_rounds_each_mode_with_its_own_caches(
         monkeypatch.setenv(f"FAKE_COLD_S_{mode}", cold)
     monkeypatch.setenv("FAKE_WARM_S_STOCK_GRAPHS", "3.0")
     monkeypatch.setenv("FAKE_WARM_S_PLUGIN_GRAPHS", "1.2")
+    monkeypatch.setenv("FAKE_COLD_JIT", "stock_graphs")
     doc = _run(tmp_path, monkeypatch, "--warm-rounds", "2")
     runs = doc["runs"]
     assert [(r["mode"], r["round"]) for r in runs] == [
@@ -55,7 +56,11 @@ def test_cold_then_warm_rounds_each_mode_with_its_own_caches(
     assert modes["plugin_graphs"]["cold"]["startup_s"] == 2.5
     assert modes["plugin_graphs"]["warm"] == {
         "n": 2, "startup_s": 1.2, "startup_samples_s": [1.2, 1.2], "first_point_s": 0.5,
-        "ready_and_first_point_s": 1.7}
+        "jit_in_requests": [], "ready_and_first_point_s": 1.7}
+    # vLLM's JIT monitor records in a start's log are counted per run
+    assert by[("stock_graphs", 0)]["jit_in_requests"] == ["_fake_kernel"]
+    assert by[("stock_graphs", 1)]["jit_in_requests"] == []
+    assert modes["stock_graphs"]["cold"]["jit_in_requests"] == ["_fake_kernel"]
     targets = {t["cache"]: t for t in doc["summary"]["targets"]}
     assert targets["cold"]["vs_stock_graphs"] == round(2.5 / 9.0, 3)
     assert targets["cold"]["not_slower_than_nc"] and targets["cold"]["under_third_of_stock_graphs"]
@@ -64,6 +69,7 @@ def test_cold_then_warm_rounds_each_mode_with_its_own_caches(
     assert not targets["warm"]["under_third_of_stock_graphs"]
     out = capsys.readouterr().out
     assert "plugin_graphs warm: 1.20x stock_full_decode_nc (NOT met: not slower)" in out
+    assert "stock_graphs: Triton compiles after ready (vLLM's JIT monitor): _fake_kernel" in out
 
 
 def test_budget_skips_starts_that_cannot_fit(

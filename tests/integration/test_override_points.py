@@ -177,6 +177,7 @@ def _bare_runner(layers: dict):
     r = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)
     r.moe_config = PluginConfig()
     r.moe_storage = PagedKVStorage()
+    r.device = torch.device("cpu")
     r._mg_layers = None
     r._mg_graphs = None
     r.cache_config = ns(cache_dtype="auto", num_gpu_blocks=4)
@@ -487,6 +488,7 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     context bucket (the decode kernel's split count is planned from it), largest key first; each
     key captured once, then replayed by real steps without a new capture."""
     import dataclasses
+    import types
 
     import torch
 
@@ -503,6 +505,8 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     calls = []
 
     def dummy_run(num_tokens, **kw):  # what vLLM's _dummy_run does with the model, in short
+        if kw.get("create_mixed_batch"):  # the kernel warm-up's prefill batch
+            return None
         calls.append((num_tokens, kw))
         assert kw["is_graph_capturing"] is False and kw["uniform_decode"] is True
         mode, desc, *_ = r._determine_batch_execution_and_padding(
@@ -513,6 +517,8 @@ def test_precapture_plans_each_key_at_its_context_bucket():
 
     r._dummy_run = dummy_run
     r._mg_executing = False
+    r.max_num_tokens, r.input_batch.block_table = 64, types.SimpleNamespace(
+        compute_slot_mapping=lambda *a: None)
     r.capture_model()
     assert [(n, kw["profile_seq_lens"]) for n, kw in calls] == [
         (4, 4096), (4, 2048), (2, 4096), (2, 2048)]
@@ -524,6 +530,51 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     mode, desc, out = _step(r, 3, [1, 1, 1])  # contexts 10..12: key (4, 2048), no warm-up
     assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
+
+
+def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
+    """capture_model with lazy capture (the default): before the engine is ready, every graph
+    key's decode batch (at its context bucket) and one mixed prefill batch run eagerly through
+    vLLM's _dummy_run with attention metadata, and the slot-mapping kernel runs once; no graph
+    is captured, no decision made, nothing padded."""
+    import dataclasses
+    import logging
+    import types
+
+    import torch
+
+    from vllm_moe_graphs.graphs.buckets import graph_config
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    r.max_model_len, r.max_num_tokens = 4096, 8192
+    r._mg_graphs.config = graph_config(
+        dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)), 4, 4096)
+    calls, slots = [], []
+
+    def dummy_run(num_tokens, **kw):  # vLLM's _dummy_run, in short: decide, then the model
+        calls.append((num_tokens, kw))
+        mode, desc, *_ = r._determine_batch_execution_and_padding(
+            num_tokens, num_tokens, None, 1, False,
+            force_eager=kw["cudagraph_runtime_mode"] is mode_enum.NONE)
+        assert mode is mode_enum.NONE and desc.num_tokens == num_tokens  # eager, unpadded
+        ids = torch.arange(1, num_tokens + 1, dtype=torch.int32)
+        return r._model_forward(input_ids=ids, positions=ids.long())
+
+    r._dummy_run = dummy_run
+    r.input_batch.block_table = types.SimpleNamespace(
+        compute_slot_mapping=lambda *a: slots.append(a))
+    r._mg_executing = False
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        assert r.capture_model() == 0
+    decode = [(n, kw["profile_seq_lens"]) for n, kw in calls if kw.get("uniform_decode")]
+    assert decode == [(4, 4096), (4, 2048), (2, 4096), (2, 2048)]
+    (mixed,) = [(n, kw) for n, kw in calls if kw.get("create_mixed_batch")]
+    assert mixed[0] == 4095  # min(max_num_tokens, max_model_len - 1): seq_len stays in bounds
+    assert all(kw["force_attention"] and kw["cudagraph_runtime_mode"] is mode_enum.NONE
+               for _, kw in calls)
+    assert len(slots) == 1 and slots[0][0] == 1 and slots[0][1].tolist() == [0, 1]
+    assert capture.captures == 0 and r._mg_graphs.keys == () and r._mg_pending is None
+    assert "kernels warmed up before serving (4 decode batches" in caplog.text
 
 
 def test_graph_config_fits_buckets_to_the_engine():

@@ -23,7 +23,7 @@ method                                  | parameters after self                 
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | decide, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
 `_bookkeeping_sync`                      | scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens | decode bookkeeping
-`capture_model`                         |                                                      | precapture
+`capture_model`                         |                                                      | warm-up, precapture
 
 storage: read the plugin config, create the one `PagedKVStorage`; register: classify the model
 and its attention layers by exact type (and, when configured, give its linear layers the small-M
@@ -45,7 +45,8 @@ buffers). `_model_forward` then runs the step through the `DecodeGraphRunner`, w
 only the real rows; on graph paths of batch buckets up to 64 the forward includes the LM head
 (`integration/graph_logits.py`), whose logits vLLM's `compute_logits` call then receives.
 
-Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (precapture).
+Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (warm-up,
+precapture), `input_batch.block_table.compute_slot_mapping` (warm-up).
 
 vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
 
@@ -59,7 +60,7 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
                                           throw-away graph captures
                                           _cleanup_profiling_kv_cache                (unbind)
     Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
-    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()           (precapture)
+    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture)
     per step: execute_model -> _determine_batch_execution_and_padding             (decide)
                             -> _model_forward                                    (replay)
     Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has

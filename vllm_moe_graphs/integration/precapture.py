@@ -1,5 +1,12 @@
-"""`precapture: true`: `MoeGraphsModelRunner.capture_model` captures every bucket pair at
-start-up. vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
+"""Start-up work of `MoeGraphsModelRunner.capture_model` (vLLM calls it before the engine is
+ready): the kernel warm-up, always, and with `precapture: true` the capture of every bucket pair.
+
+Warm-up: vLLM's profile run builds no attention metadata, so our attention kernels (and the V1
+runner's slot-mapping kernel) would otherwise be compiled by the first requests, a latency spike
+that vLLM's JIT monitor reports. Each graph key's decode batch (at its context bucket) and one
+mixed prefill + decode batch run eagerly through vLLM's `_dummy_run`; nothing is captured.
+
+Precapture: vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
 metadata, forward context) and calls the model; `PrecaptureModel` stands in for the model there
 and captures that key."""
 
@@ -24,7 +31,9 @@ logger = logging.getLogger("vllm.moe_graphs")
 
 
 def precapture_all(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner) -> int:
-    """Capture every key when configured (else log the lazy plan); returns the pool bytes."""
+    """Warm the kernels up, then capture every key when configured (else log the lazy plan);
+    returns the pool bytes."""
+    warm_up_kernels(runner, graphs, decode_keys=not runner.moe_config.precapture)
     if not runner.moe_config.precapture:
         logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
                     "bucket after %d warm-up steps", runner.moe_config.warmup_steps)
@@ -54,6 +63,48 @@ def precapture_all(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner) -> i
     finally:
         runner._mg_real_model = None
     return graphs.pool_bytes
+
+
+def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
+                    decode_keys: bool = True) -> float:
+    """Run every kernel shape class a request can meet once, eagerly, before the engine is
+    ready; returns the seconds it took. `decode_keys=False` leaves the decode batches to the
+    pre-capture (whose warm-up steps run them)."""
+    import torch
+
+    start = time.perf_counter()
+    keys = graphs.all_keys() if decode_keys else []
+    for key in keys:
+        # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
+        # execute_model, so no graph, decision or metric sees these batches.
+        runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                          force_attention=True, uniform_decode=True, skip_eplb=True,
+                          remove_lora=False, profile_seq_lens=key.context_bucket)
+    # A prefill row next to decode rows: vLLM gives it seq_len = its query length + 1, so it
+    # stays within max_model_len; the slot mapping is -1 (no KV write).
+    tokens = min(runner.max_num_tokens, runner.max_model_len - 1)
+    if tokens >= 2:
+        runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                          force_attention=True, create_mixed_batch=True, skip_eplb=True,
+                          remove_lora=False)
+    _warm_up_slot_mapping(runner)
+    if torch.device(runner.device).type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, one mixed "
+                "batch, slot mapping) in %.2f s", len(keys), seconds)
+    return seconds
+
+
+def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
+    """The V1 runner's slot-mapping kernel (`BlockTable.compute_slot_mapping`), which its input
+    preparation runs for every step vLLM prepares: one token on the real block tables, whose
+    output buffer every later step rewrites."""
+    import torch
+
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=runner.device)
+    positions = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    runner.input_batch.block_table.compute_slot_mapping(1, qsl, positions)
 
 
 class PrecaptureModel:

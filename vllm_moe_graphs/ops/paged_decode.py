@@ -116,7 +116,8 @@ def allocate_decode_workspace(
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# NOTE: num_splits is not specialised (it differs by bucket): one compile per SPLIT value.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     out_ptr,  # [B, Hq, D] written when not SPLIT
     workspace_ptr,  # [B_ws, Hq, S_ws, D + 2] float32, written when SPLIT
@@ -242,7 +243,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr,  # [B, Hq, D]
     workspace_ptr,  # [B_ws, Hq, S_ws, D + 2] float32
