@@ -51,7 +51,7 @@ done
 for f in /tmp/gpu-tests*/*/*.log /tmp/gpu-tests*/*/*/*.log; do
   [ -f "$f" ] || continue
   echo "== $f"
-  grep -E "moe_graphs|ENGINE_|Error|Traceback" "$f" | tail -40
+  grep -E "moe_graphs|ENGINE_|Error|Traceback|JIT compilation" "$f" | tail -40
 done >"$OUT/engine-logs.txt" 2>&1
 for f in "$OUT"/pytest*.txt; do echo "== $f"; tail -15 "$f"; done
 echo "[tests.sh] exit $rc after $(($(date +%s) - T0))s"
