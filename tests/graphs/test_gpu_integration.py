@@ -19,6 +19,7 @@ Set MOE_GRAPHS_TEST_OUT=/dir to get one JSON summary per test there.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 import json
 import os
 import random
@@ -439,43 +440,59 @@ def test_disable_env_runs_stock_vllm(tmp_path):
 
 
 def test_kill_file_under_load_through_vllm_serve(tmp_path):
-    """200 concurrent requests through `vllm serve`; the kill file is created and removed while
-    they run. Zero failed requests; /metrics shows replays and kill_switch fallbacks."""
+    """200 concurrent requests through `vllm serve`; the kill file is created once graphs replay
+    under that load and removed once /metrics shows the switch, while requests are still in
+    flight. Zero failed requests; after removal a second wave replays again."""
     from tests.tiny_models import build_checkpoint
 
     path = build_checkpoint(str(tmp_path / "tiny-serve"), head_dim=64)
     kill_file = tmp_path / "serve.kill"
     log = str(tmp_path / "serve.log")
+    fallbacks = "moe_graphs_eager_fallbacks_total"
     with vllm_serve(path, None, log, args=("--max-num-seqs", "64", *serve_memory_args(0.5)),
                     env_extra={"MOE_GRAPHS_KILL_FILE": str(kill_file)}) as base:
-        def one(i: int) -> int:
-            body = {"model": path, "prompt": f"request {i} about graphs", "max_tokens": 48,
-                    "temperature": 0.0, "ignore_eos": True}
-            return len(post_json(base + "/v1/completions", body, timeout=120)["choices"][0]
+        def one(i: int, max_tokens: int = 200) -> int:
+            body = {"model": path, "prompt": f"request {i} about graphs",
+                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+            return len(post_json(base + "/v1/completions", body, timeout=300)["choices"][0]
                        ["text"])
 
+        def poll(what: str, ok: Callable[[str], bool], limit_s: float = 60.0) -> str:
+            end = time.monotonic() + limit_s
+            while not ok(text := get(base + "/metrics")):
+                assert time.monotonic() < end, f"no {what} within {limit_s:.0f} s"
+                time.sleep(0.05)
+            return text
+
+        # NOTE: the switch is flipped on what /metrics shows, not on a timer: with no Triton
+        # compile left to the first requests (start-up warm-up), the load can end within a
+        # second, before a timed flip.
         with concurrent.futures.ThreadPoolExecutor(200) as pool:
             futures = [pool.submit(one, i) for i in range(200)]
-            time.sleep(1.0)
+            before = poll("replay under load",
+                          lambda t: metric(t, "moe_graphs_replays_total") > 0)
             kill_file.touch()
-            mid = get(base + "/metrics")
-            time.sleep(1.5)
+            mid = poll("kill-switch fallback", lambda t: metric(t, fallbacks,
+                                                                reason="kill_switch") > 0)
+            in_flight = sum(not f.done() for f in futures)
             kill_file.unlink()
             failures = [repr(f.exception()) for f in futures if f.exception() is not None]
             done = sum(f.result() >= 0 for f in futures if f.exception() is None)
-        # after the load: a second wave, switch off, must replay again
-        for i in range(8):
-            one(1000 + i)
+        after_load = get(base + "/metrics")
+        for i in range(8):  # a second wave, switch off: must replay again
+            one(1000 + i, max_tokens=48)
         text = get(base + "/metrics")
     summary = {"failures": failures[:5], "failed": len(failures), "completed": done,
+               "in_flight_when_switched": in_flight,
+               "replays_before_switch": metric(before, "moe_graphs_replays_total"),
+               "replays_after_load": metric(after_load, "moe_graphs_replays_total"),
                "replays": metric(text, "moe_graphs_replays_total"),
-               "kill_switch_fallbacks": metric(text, "moe_graphs_eager_fallbacks_total",
-                                               reason="kill_switch"),
-               "kill_switch_fallbacks_mid": metric(mid, "moe_graphs_eager_fallbacks_total",
-                                                   reason="kill_switch"),
+               "kill_switch_fallbacks": metric(text, fallbacks, reason="kill_switch"),
+               "kill_switch_fallbacks_mid": metric(mid, fallbacks, reason="kill_switch"),
                "mode_graphs": metric(text, "moe_graphs_info", mode="graphs"),
                "log_tail": tail(log, 15)}
     report("serve-kill-switch", summary)
     assert summary["failed"] == 0 and done == 200, summary
-    assert summary["mode_graphs"] == 1 and summary["replays"] > 0, summary
-    assert summary["kill_switch_fallbacks"] > 0, summary
+    assert summary["mode_graphs"] == 1 and summary["replays_before_switch"] > 0, summary
+    assert summary["kill_switch_fallbacks_mid"] > 0 and in_flight > 0, summary
+    assert summary["replays"] > summary["replays_after_load"], summary  # switch off: replays

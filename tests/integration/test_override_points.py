@@ -505,7 +505,7 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     calls = []
 
     def dummy_run(num_tokens, **kw):  # what vLLM's _dummy_run does with the model, in short
-        if kw.get("create_mixed_batch"):  # the kernel warm-up's prefill batch
+        if not kw.get("uniform_decode"):  # the kernel warm-up's prefill batches
             return None
         calls.append((num_tokens, kw))
         assert kw["is_graph_capturing"] is False and kw["uniform_decode"] is True
@@ -568,13 +568,21 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
         assert r.capture_model() == 0
     decode = [(n, kw["profile_seq_lens"]) for n, kw in calls if kw.get("uniform_decode")]
     assert decode == [(4, 4096), (4, 2048), (2, 4096), (2, 2048)]
-    (mixed,) = [(n, kw) for n, kw in calls if kw.get("create_mixed_batch")]
-    assert mixed[0] == 4095  # min(max_num_tokens, max_model_len - 1): seq_len stays in bounds
+    prefill = [n for n, kw in calls if not kw.get("uniform_decode")]
+    # one per prefill tile size (longest query 2..64), then a mixed batch of
+    # min(max_num_tokens, max_model_len - 1) tokens: every seq_len stays within max_model_len
+    assert prefill == [2, 4, 8, 16, 32, 64, 4095]
+    assert [kw.get("create_mixed_batch", False) for n, kw in calls
+            if not kw.get("uniform_decode")] == [False] * 6 + [True]
     assert all(kw["force_attention"] and kw["cudagraph_runtime_mode"] is mode_enum.NONE
                for _, kw in calls)
     assert len(slots) == 1 and slots[0][0] == 1 and slots[0][1].tolist() == [0, 1]
     assert capture.captures == 0 and r._mg_graphs.keys == () and r._mg_pending is None
-    assert "kernels warmed up before serving (4 decode batches" in caplog.text
+    assert "kernels warmed up before serving (4 decode batches, 7 prefill batches" in caplog.text
+    r.max_model_len = 24  # a short engine: only the tile sizes that fit, every seq_len in bounds
+    calls.clear()
+    r.capture_model()
+    assert [n for n, kw in calls if not kw.get("uniform_decode")] == [2, 4, 8, 16, 23]
 
 
 def test_graph_config_fits_buckets_to_the_engine():

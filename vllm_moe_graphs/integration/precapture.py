@@ -4,7 +4,8 @@ ready): the kernel warm-up, always, and with `precapture: true` the capture of e
 Warm-up: vLLM's profile run builds no attention metadata, so our attention kernels (and the V1
 runner's slot-mapping kernel) would otherwise be compiled by the first requests, a latency spike
 that vLLM's JIT monitor reports. Each graph key's decode batch (at its context bucket) and one
-mixed prefill + decode batch run eagerly through vLLM's `_dummy_run`; nothing is captured.
+prefill batch per tile size of the prefill kernel run eagerly through vLLM's `_dummy_run`;
+nothing is captured.
 
 Precapture: vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
 metadata, forward context) and calls the model; `PrecaptureModel` stands in for the model there
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 
 logger = logging.getLogger("vllm.moe_graphs")
+
+PREFILL_WARM_UP_TOKENS = (2, 4, 8, 16, 32, 64)  # ops/prefill.py: BLOCK_Q <= 64 query tokens
 
 
 def precapture_all(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner) -> int:
@@ -80,19 +83,26 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
         runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                           force_attention=True, uniform_decode=True, skip_eplb=True,
                           remove_lora=False, profile_seq_lens=key.context_bucket)
-    # A prefill row next to decode rows: vLLM gives it seq_len = its query length + 1, so it
-    # stays within max_model_len; the slot mapping is -1 (no KV write).
-    tokens = min(runner.max_num_tokens, runner.max_model_len - 1)
-    if tokens >= 2:
-        runner._dummy_run(tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+    # Prefill batches: the prefill kernel's tile is sized by the batch's longest query (a
+    # power of 2, at most 64), one compile per size; then a long prefill row next to decode
+    # rows (vLLM gives it seq_len = its query length + 1: within max_model_len). Every row's
+    # context stays within max_model_len; the slot mapping is -1 (no KV write).
+    limit = min(runner.max_num_tokens, runner.max_model_len - 1)
+    prefill = [n for n in PREFILL_WARM_UP_TOKENS if n <= limit]
+    for n in prefill:
+        runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                          skip_eplb=True, remove_lora=False)
+    if limit >= 2:
+        runner._dummy_run(limit, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                           force_attention=True, create_mixed_batch=True, skip_eplb=True,
                           remove_lora=False)
     _warm_up_slot_mapping(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start
-    logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, one mixed "
-                "batch, slot mapping) in %.2f s", len(keys), seconds)
+    logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
+                "batches, slot mapping) in %.2f s", len(keys), len(prefill) + (limit >= 2),
+                seconds)
     return seconds
 
 
