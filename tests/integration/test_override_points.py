@@ -584,6 +584,14 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
     r.capture_model()
     assert [n for n, kw in calls if not kw.get("uniform_decode")] == [2, 4, 8, 16, 23]
 
+    def failing(num_tokens, **kw):  # e.g. a kernel that does not compile for this model
+        raise ValueError("no kernel for this shape")
+
+    r._dummy_run = failing
+    with pytest.raises(RuntimeError, match="kernel warm-up before serving failed .ValueError: "
+                       "no kernel for this shape.*MOE_GRAPHS_DISABLE=1"):
+        r.capture_model()
+
 
 def test_graph_config_fits_buckets_to_the_engine():
     from vllm_moe_graphs.config import PluginConfig

@@ -72,11 +72,27 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
                     decode_keys: bool = True) -> float:
     """Run every kernel shape class a request can meet once, eagerly, before the engine is
     ready; returns the seconds it took. `decode_keys=False` leaves the decode batches to the
-    pre-capture (whose warm-up steps run them)."""
-    import torch
-
+    pre-capture (whose warm-up steps run them). A failure stops the start-up with the remedy:
+    a request would meet it too."""
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
+    try:
+        prefill = _warm_up(runner, keys)
+    except Exception as exc:
+        raise RuntimeError(
+            f"moe_graphs: the kernel warm-up before serving failed ({type(exc).__name__}: "
+            f"{exc}); the first requests would meet the same failure. Set MOE_GRAPHS_DISABLE=1 "
+            "to run stock vLLM.") from exc
+    seconds = time.perf_counter() - start
+    logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
+                "batches, slot mapping) in %.2f s", len(keys), prefill, seconds)
+    return seconds
+
+
+def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> int:
+    """`warm_up_kernels`' runs; returns the number of prefill batches."""
+    import torch
+
     for key in keys:
         # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
         # execute_model, so no graph, decision or metric sees these batches.
@@ -99,11 +115,7 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     _warm_up_slot_mapping(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
-    seconds = time.perf_counter() - start
-    logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
-                "batches, slot mapping) in %.2f s", len(keys), len(prefill) + (limit >= 2),
-                seconds)
-    return seconds
+    return len(prefill) + (limit >= 2)
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
