@@ -49,6 +49,7 @@ EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 DEFAULT_MODES = ("stock_eager", "stock_full_decode_nc", "stock_graphs", "plugin_graphs")
 REFERENCE_MODES = ("stock_full_decode_nc", "stock_graphs")  # issue 6's start-up targets
 MEASURE_ESTIMATE_S = 30.0  # import + one point + exit, added to a cold start's estimate
+WARM_STARTUP_GUESS_S = 20.0  # a first warm start's start-up, before one was measured
 PRIME_TIMEOUT_S = 300.0
 
 PRIME_CODE = """
@@ -302,10 +303,11 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     results: list[WorkerResult] = []
-    walls: dict[str, float] = {}  # a mode's last worker wall: the estimate of its next start
+    walls: dict[str, float] = {}  # a mode's last worker wall
+    estimates: dict[str, float] = {}  # the estimated wall of a mode's next start
     for order, (rnd, mode) in enumerate(schedule(modes, args.warm_rounds)):
         now = time.time()
-        est = walls.get(mode.name, mode.startup_estimate_s + MEASURE_ESTIMATE_S)
+        est = estimates.get(mode.name, mode.startup_estimate_s + MEASURE_ESTIMATE_S)
         if t_end is not None and t_end - now < est:
             why = f"time budget: {t_end - now:.0f} s left < estimate {est:.0f} s"
             print(f"[startup] skip {mode.name} round {rnd}: {why}", flush=True)
@@ -327,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         result, error = sweep.run_worker(spec, work_dir, limit, extra_args)
         walls[mode.name] = time.monotonic() - t0
+        # The next start is warm: after the cold one, its wall minus the cold start-up plus a
+        # guess of a warm start-up; after a warm one, that wall.
+        estimates[mode.name] = walls[mode.name] if rnd else max(
+            0.0, walls[mode.name] - (result.startup_s or 0.0)) + WARM_STARTUP_GUESS_S
         results.append(result)
         log = work_dir / f"log-{args.model}-{mode.name}{f'-r{rnd}' if rnd else ''}.txt"
         row = run_row(result, rnd, order, walls[mode.name], error,
