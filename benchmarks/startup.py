@@ -303,7 +303,6 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     results: list[WorkerResult] = []
-    walls: dict[str, float] = {}  # a mode's last worker wall
     estimates: dict[str, float] = {}  # the estimated wall of a mode's next start
     for order, (rnd, mode) in enumerate(schedule(modes, args.warm_rounds)):
         now = time.time()
@@ -328,20 +327,20 @@ def run(args: argparse.Namespace) -> int:
               f"(round {rnd})", flush=True)
         t0 = time.monotonic()
         result, error = sweep.run_worker(spec, work_dir, limit, extra_args)
-        walls[mode.name] = time.monotonic() - t0
+        wall = time.monotonic() - t0
         # The next start is warm: after the cold one, its wall minus the cold start-up plus a
         # guess of a warm start-up; after a warm one, that wall.
-        estimates[mode.name] = walls[mode.name] if rnd else max(
-            0.0, walls[mode.name] - (result.startup_s or 0.0)) + WARM_STARTUP_GUESS_S
+        estimates[mode.name] = wall if rnd else max(
+            0.0, wall - (result.startup_s or 0.0)) + WARM_STARTUP_GUESS_S
         results.append(result)
         log = work_dir / f"log-{args.model}-{mode.name}{f'-r{rnd}' if rnd else ''}.txt"
-        row = run_row(result, rnd, order, walls[mode.name], error,
+        row = run_row(result, rnd, order, wall, error,
                       log.read_text(errors="replace") if log.is_file() else "")
         runs.append(row)
         first = row["first_point"]
         print(f"[startup] {mode.name} round {rnd}: {result.status}, start-up "
               f"{_fmt(result.startup_s)} s, first point "
-              f"{_fmt(first and first['wall_s'])} s, worker {walls[mode.name]:.1f} s"
+              f"{_fmt(first and first['wall_s'])} s, worker {wall:.1f} s"
               + (f", JIT in requests: {', '.join(row['jit_in_requests'])}"
                  if row["jit_in_requests"] else "")
               + (f", error: {error.splitlines()[0]}" if error else ""), flush=True)

@@ -18,13 +18,14 @@ from benchmarks.protocol import (
     DONE,
     READY,
     WorkerResult,
+    WorkerSpec,
     result_to_json,
     spec_from_json,
     write_json_atomic,
 )
 
 
-def one_start(spec) -> None:  # noqa: ANN001 - a WorkerSpec
+def one_start(spec: WorkerSpec) -> None:
     """A non-interactive run (`benchmarks.startup`): start-up `FAKE_COLD_S_<MODE>` (default 2.0)
     when `$VLLM_CACHE_ROOT/fake-warm` is absent (then written), else `FAKE_WARM_S_<MODE>`
     (default 1.0); one point, wall 0.5 s."""

@@ -17,13 +17,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.config import CUDAGraphMode
 
 from vllm_moe_graphs.capability import Reason
 
 if TYPE_CHECKING:
-    import torch
-
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
@@ -91,8 +90,6 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
 
 def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> int:
     """`warm_up_kernels`' runs; returns the number of prefill batches."""
-    import torch
-
     for key in keys:
         # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
         # execute_model, so no graph, decision or metric sees these batches.
@@ -122,8 +119,6 @@ def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
     """The V1 runner's slot-mapping kernel (`BlockTable.compute_slot_mapping`), which its input
     preparation runs for every step vLLM prepares: one token on the real block tables, whose
     output buffer every later step rewrites."""
-    import torch
-
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=runner.device)
     positions = torch.zeros(1, dtype=torch.int64, device=runner.device)
     runner.input_batch.block_table.compute_slot_mapping(1, qsl, positions)
