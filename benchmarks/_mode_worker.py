@@ -36,6 +36,7 @@ from benchmarks.protocol import (
     spec_from_json,
     write_json_atomic,
 )
+from benchmarks.startup_trace import maybe_trace_startup
 from benchmarks.vllm_facts import VllmLogTap, check_config_dicts, describe_engine, validate
 
 MAX_CONSECUTIVE_FAILURES = 2
@@ -209,7 +210,8 @@ def run(
     check_config_dicts(spec.llm_kwargs)
     say(f"{spec.model} {spec.mode}: starting vllm.LLM")
     t0 = time.perf_counter()
-    llm = LLM(**spec.llm_kwargs)
+    with maybe_trace_startup(spec):  # BENCH_STARTUP_PROFILE_DIR
+        llm = LLM(**spec.llm_kwargs)
     result.startup_s = time.perf_counter() - t0
     # Device name only now: vLLM initialises CUDA itself.
     result.versions["gpu"] = torch.cuda.get_device_name(0) if on_gpu else "cpu"

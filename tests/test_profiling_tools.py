@@ -170,3 +170,41 @@ def test_host_phases_refuses_bad_arguments() -> None:
 
     with pytest.raises(SystemExit):
         host_phases.main(["--batches", "0,8"])
+
+
+def test_startup_trace_times_compiles_and_restores_triton_hooks(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    from triton import knobs
+
+    from benchmarks import startup_trace
+
+    seen: list[str] = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: seen.append(kw["fn"].name))
+    fn = SimpleNamespace(name="_my_kernel")
+    path = tmp_path / "trace.txt"
+    with startup_trace.trace_startup(str(path), "t") as log:
+        # What Triton's JITFunction._do_compile calls around one compile.
+        assert knobs.runtime.jit_cache_hook(fn=fn, key=1) is False
+        sum(range(200_000))
+        knobs.runtime.jit_post_compile_hook(fn=fn, key=1)
+    assert [n for n, _ in log.compiles] == ["_my_kernel"] and log.compiles[0][1] > 0
+    assert seen == ["_my_kernel"]  # the hook that was there still sees every compile
+    assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook
+    assert knobs.runtime.jit_post_compile_hook(fn=fn) is None and seen[-1] == "_my_kernel"
+    text = path.read_text()
+    assert "Triton compiles: 1" in text and "_my_kernel" in text and "cumulative" in text
+
+
+def test_startup_trace_only_when_asked(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import startup_trace
+
+    spec = SimpleNamespace(model="m", mode="plugin_graphs", round=1)
+    monkeypatch.delenv("BENCH_STARTUP_PROFILE_DIR", raising=False)
+    with startup_trace.maybe_trace_startup(spec) as log:
+        assert log is None
+    monkeypatch.setenv("BENCH_STARTUP_PROFILE_DIR", str(tmp_path))
+    with startup_trace.maybe_trace_startup(spec) as log:
+        assert log is not None
+    assert (tmp_path / "startup-m-plugin_graphs-r1.txt").is_file()

@@ -15,7 +15,8 @@
 #   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
 #   $OUT/nvidia-smi.txt       the GPU at the end
 # Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
-# (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_PIN=N (see below), and
+# (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_STARTUP_PROFILE=1 (trace
+# each engine start: benchmarks/startup_trace.py), BENCH_PIN=N (see below), and
 # BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit), and
 # BENCH_MODULE (default benchmarks.decode; benchmarks.startup runs the start-up protocol with the
 # same --results-dir/--log-dir/--time-budget-s; writes <name>.json, no plot).
@@ -59,6 +60,9 @@ LOGDIR=$(mktemp -d /tmp/decode-bench-XXXX)
 # BENCH_PROFILE=1: each mode worker also profiles its batches (benchmarks/profile_steps.py);
 # the reports land in worker-logs.tar.gz as profile-<model>-<mode>.txt.
 [ "${BENCH_PROFILE:-0}" = 1 ] && export BENCH_PROFILE_DIR=$LOGDIR
+# BENCH_STARTUP_PROFILE=1: each worker traces its engine start (benchmarks/startup_trace.py):
+# startup-<model>-<mode>[-r<round>].txt in worker-logs.tar.gz.
+[ "${BENCH_STARTUP_PROFILE:-0}" = 1 ] && export BENCH_STARTUP_PROFILE_DIR=$LOGDIR
 BUDGET=$(( $(left) - 25 ))   # kept back: tar, nvidia-smi, tee
 if [ "$BUDGET" -lt 60 ]; then
   say "ERROR: only ${BUDGET}s left for the benchmark; raise RUN_GUARD_S or skip pytest (SKIP_PYTEST=1)"
