@@ -8,6 +8,10 @@
 # it fails, a minimal .dist-info carrying the same entry point is written next to PYTHONPATH.
 # Ends by checking that vLLM would load the plugin.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+# An installed vLLM has its bytecode compiled (pip does it); the bundle has none, so let Python
+# write it on first import: else every process, and vLLM's model-inspection subprocess, compiles
+# vLLM's sources again and start-up times carry seconds no operator pays.
+unset PYTHONDONTWRITEBYTECODE
 eval "$(bash .gpu/install.sh install)" || { echo "[env.sh] bundle install failed"; return 3; }
 if python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >/tmp/pip-e.log 2>&1
 then
@@ -30,3 +34,8 @@ eps = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == 
 assert eps == ["vllm_moe_graphs.plugin:register"], eps
 print("[env.sh] entry point vllm.general_plugins:moe_graphs ->", eps[0], flush=True)
 PY
+# ... and compile it now, like pip install does, so no start-up (and no first mode) pays it.
+_t=$(date +%s)
+python3 -m compileall -q -j 16 "${GPU_SITE:-/tmp/site}" >/dev/null 2>&1 || true
+echo "[env.sh] bytecode compiled in $(( $(date +%s) - _t ))s"
+python3 -c "import sys; print('[env.sh] bytecode: write', not sys.dont_write_bytecode, 'prefix', sys.pycache_prefix, flush=True)"

@@ -608,3 +608,29 @@ def test_graph_config_fits_buckets_to_the_engine():
     # a largest context bucket below max_model_len is the operator's limit: longer runs eager
     short = PluginConfig(context_buckets=(2048, 8192))
     assert graph_config(short, 256, 40960).context_buckets == (2048, 8192)
+
+
+def test_worker_freezes_the_import_heap_before_the_device_exists():
+    import gc
+
+    class _Probe(_CpuDeviceConfig):
+        @property
+        def device_type(self) -> str:
+            self.frozen = gc.get_freeze_count()
+            return "cpu"
+
+    w = MoeGraphsWorker.__new__(MoeGraphsWorker)
+    w.device_config = _Probe()
+    w.use_v2_model_runner = False
+    gc.unfreeze()
+    try:
+        with pytest.raises(RuntimeError, match="Unsupported device type"):
+            w.init_device()
+        # vLLM's init_device (reading the device type first) ran on a frozen heap.
+        assert w.device_config.frozen > 1000
+    finally:
+        gc.unfreeze()
+    w.use_v2_model_runner = True  # the V2 runner is left alone: no freeze either
+    with pytest.raises(RuntimeError, match="Unsupported device type"):
+        w.init_device()
+    assert w.device_config.frozen == 0
