@@ -4,8 +4,9 @@ ready): the kernel warm-up, always, and with `precapture: true` the capture of e
 Warm-up: vLLM's profile run builds no attention metadata, so our attention kernels (and the V1
 runner's slot-mapping kernel) would otherwise be compiled by the first requests, a latency spike
 that vLLM's JIT monitor reports. Each graph key's decode batch (at its context bucket) and one
-prefill batch per tile size of the prefill kernel run eagerly through vLLM's `_dummy_run`;
-nothing is captured.
+prefill batch per tile size of the prefill kernel run eagerly through vLLM's `_dummy_run`,
+then, for MoE models, the token counts that reach every variant of vLLM's fused-MoE kernel
+(`moe_warm_up.py`); nothing is captured.
 
 Precapture: vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
 metadata, forward context) and calls the model; `PrecaptureModel` stands in for the model there
@@ -21,6 +22,7 @@ import torch
 from vllm.config import CUDAGraphMode
 
 from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.integration.moe_warm_up import moe_token_counts, recording_moe_configs
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
@@ -76,7 +78,7 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
     try:
-        prefill = _warm_up(runner, keys)
+        prefill, moe = _warm_up(runner, keys)
     except Exception as exc:
         raise RuntimeError(
             f"moe_graphs: the kernel warm-up before serving failed ({type(exc).__name__}: "
@@ -84,35 +86,45 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
             "to run stock vLLM.") from exc
     seconds = time.perf_counter() - start
     logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
-                "batches, slot mapping) in %.2f s", len(keys), prefill, seconds)
+                "batches, %d fused-MoE token counts, slot mapping) in %.2f s", len(keys),
+                prefill, moe, seconds)
     return seconds
 
 
-def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> int:
-    """`warm_up_kernels`' runs; returns the number of prefill batches."""
-    for key in keys:
-        # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
-        # execute_model, so no graph, decision or metric sees these batches.
-        runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                          force_attention=True, uniform_decode=True, skip_eplb=True,
-                          remove_lora=False, profile_seq_lens=key.context_bucket)
+def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> tuple[int, int]:
+    """`warm_up_kernels`' runs; returns the numbers of prefill batches and of fused-MoE token
+    counts."""
     # Prefill batches: the prefill kernel's tile is sized by the batch's longest query (a
     # power of 2, at most 64), one compile per size; then a long prefill row next to decode
     # rows (vLLM gives it seq_len = its query length + 1: within max_model_len). Every row's
     # context stays within max_model_len; the slot mapping is -1 (no KV write).
     limit = min(runner.max_num_tokens, runner.max_model_len - 1)
     prefill = [n for n in PREFILL_WARM_UP_TOKENS if n <= limit]
-    for n in prefill:
-        runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                          skip_eplb=True, remove_lora=False)
-    if limit >= 2:
-        runner._dummy_run(limit, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                          force_attention=True, create_mixed_batch=True, skip_eplb=True,
+    with recording_moe_configs() as moe_configs:
+        for key in keys:
+            # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
+            # execute_model, so no graph, decision or metric sees these batches.
+            runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                              force_attention=True, uniform_decode=True, skip_eplb=True,
+                              remove_lora=False, profile_seq_lens=key.context_bucket)
+        for n in prefill:
+            runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                              force_attention=True, skip_eplb=True, remove_lora=False)
+        if limit >= 2:
+            runner._dummy_run(limit, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                              force_attention=True, create_mixed_batch=True, skip_eplb=True,
+                              remove_lora=False)
+    # The fused-MoE kernel's variants by token count (moe_warm_up.py); no attention, so any
+    # count up to max_num_tokens fits.
+    done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
+    moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
+    for n in moe:
+        runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                           remove_lora=False)
     _warm_up_slot_mapping(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return len(prefill) + (limit >= 2)
+    return len(prefill) + (limit >= 2), len(moe)
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
