@@ -593,6 +593,48 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
         r.capture_model()
 
 
+def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
+    """An MoE model: the warm-up's batches call vLLM's fused-MoE config lookup with their token
+    count; the counts that reach its other kernel variants then run eagerly without attention
+    (any count up to max_num_tokens fits), each once, none the warm-up ran already."""
+    import dataclasses
+    import logging
+    import types
+
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+    from vllm_moe_graphs.graphs.buckets import graph_config
+
+    def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):  # 0.26's parameters
+        return {"BLOCK_SIZE_M": 16 if M <= 40 else 64}
+
+    monkeypatch.setattr(triton_moe, "try_get_optimal_moe_config", lookup)
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    r.max_model_len, r.max_num_tokens = 64, 100
+    r._mg_graphs.config = graph_config(
+        dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)), 4, 64)
+    calls = []
+
+    def dummy_run(num_tokens, **kw):  # the MoE layers look their config up per batch
+        calls.append((num_tokens, kw))
+        triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
+
+    r._dummy_run = dummy_run
+    r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
+    r._mg_executing = False
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        r.capture_model()
+    assert triton_moe.try_get_optimal_moe_config is lookup
+    first = [n for n, kw in calls if kw.get("force_attention")]
+    assert first == [4, 2, 2, 4, 8, 16, 32, 63]  # decode keys, prefill tiles, mixed
+    moe = [(n, kw) for n, kw in calls if not kw.get("force_attention")]
+    # groups [1, 40] and [41, 100]; naive path up to 8 // (4 * 2) = 1; BLOCK_SIZE_M 16 and 64
+    assert [n for n, _ in moe] == [1, 15, 17, 39, 40, 41, 42, 64, 65, 99, 100]
+    assert all(kw["cudagraph_runtime_mode"] is mode_enum.NONE for _, kw in moe)
+    assert "6 prefill batches, 11 fused-MoE token counts" in caplog.text
+    assert capture.captures == 0
+
+
 def test_graph_config_fits_buckets_to_the_engine():
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs.buckets import graph_config
