@@ -315,8 +315,12 @@ def environment(
 
 
 def _git_commit() -> str:
-    """HEAD (+dirty), else $BENCH_GIT_COMMIT (the device copy of the repo has no .git: pass it
-    in the device command), else "unknown"."""
+    """$BENCH_GIT_COMMIT when set (pass it in the device command: the device copy of the repo
+    has no .git of its own, and one it finds can be stale), else HEAD (+dirty), else
+    "unknown"."""
+    given = os.environ.get("BENCH_GIT_COMMIT", "").strip()
+    if given:
+        return f"{given} (from BENCH_GIT_COMMIT)"
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
@@ -334,8 +338,7 @@ def _git_commit() -> str:
             return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    given = os.environ.get("BENCH_GIT_COMMIT", "").strip()
-    return f"{given} (from BENCH_GIT_COMMIT)" if given else "unknown (no git checkout here)"
+    return "unknown (no git checkout here)"
 
 
 def source_digest() -> str:
