@@ -85,7 +85,8 @@ def runner_class_substituted(cls: type) -> Iterator[None]:
 
 def freeze_import_heap() -> tuple[int, float]:
     """Collect, then `gc.freeze()` every object the process holds; returns (objects now frozen,
-    seconds it took). vLLM's `gc.unfreeze()` (sleep mode, its capture context) undoes it."""
+    seconds it took). vLLM's `gc.unfreeze()` (its CUDA-graph capture context, worker shutdown)
+    undoes it."""
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
