@@ -43,10 +43,11 @@ def test_module_import_is_light():
     assert proc.stdout.strip() == "[]"
 
 
-def test_register_is_idempotent_and_patches(monkeypatch):
+def test_register_is_idempotent_and_patches(monkeypatch, tmp_path):
     monkeypatch.delenv("MOE_GRAPHS_DISABLE", raising=False)
-    proc = _python("""
+    proc = _python(f"""
         import logging, os
+        os.environ["VLLM_CACHE_ROOT"] = {str(tmp_path)!r}
         from vllm_moe_graphs.plugin import register
         from vllm_moe_graphs.integration.patch import PATCHED_ATTR
         register(); register()
@@ -59,12 +60,17 @@ def test_register_is_idempotent_and_patches(monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-3:] == ["True", "True", "True"]
     assert proc.stdout.count("registered in process MainProcess") == 1
+    # an empty vLLM cache: the model-info entries of the served architectures were written
+    assert ("vLLM's model-info cache seeded for Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+            in proc.stdout + proc.stderr)
+    assert len(list((tmp_path / "modelinfos").glob("*.json"))) == 2
 
 
-def test_disable_registers_and_patches_nothing():
-    proc = _python("""
+def test_disable_registers_and_patches_nothing(tmp_path):
+    proc = _python(f"""
         import os
         os.environ["MOE_GRAPHS_DISABLE"] = "1"
+        os.environ["VLLM_CACHE_ROOT"] = {str(tmp_path)!r}
         import vllm.logger  # vLLM's log handler, as in every vLLM process
         from vllm_moe_graphs.plugin import register
         register()
@@ -78,6 +84,7 @@ def test_disable_registers_and_patches_nothing():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-3:] == ["False", "False", "False"]
     assert "MOE_GRAPHS_DISABLE=1, nothing registered" in proc.stdout + proc.stderr
+    assert not (tmp_path / "modelinfos").exists()  # vLLM's cache untouched
 
 
 def test_bad_env_value_fails_registration():

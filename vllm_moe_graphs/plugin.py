@@ -41,6 +41,10 @@ def register() -> None:
         wired.append(f"attention backend CUSTOM -> {register_attention_backend()}")
     except RuntimeError as exc:  # another plugin owns CUSTOM: serve on, without our backend
         logger.warning("moe_graphs: %s", exc)
+    from vllm_moe_graphs.integration.model_info_seed import seed_model_info_cache
+
+    if seeded := seed_model_info_cache():
+        wired.append(f"vLLM's model-info cache seeded for {', '.join(seeded)}")
     if metrics_transport.is_root_process():
         metrics_transport.setup_root()
         wired.append("metrics collector on /metrics")
