@@ -17,7 +17,8 @@
 # Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
 # (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_STARTUP_PROFILE=1 (trace
 # each engine start: benchmarks/startup_trace.py), BENCH_PIN=N (see below), and
-# BENCH_GIT_COMMIT=<sha> (the device copy has no .git; recorded as env.git_commit), and
+# BENCH_GIT_COMMIT=<sha> (recorded as env.git_commit; write the sha out: a .git the device copy
+# finds can be stale, so `git log` there is no source), and
 # BENCH_MODULE (default benchmarks.decode; benchmarks.startup runs the start-up protocol with the
 # same --results-dir/--log-dir/--time-budget-s; writes <name>.json, no plot).
 set -uo pipefail
