@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,9 +117,6 @@ def trace_startup(path: str, title: str) -> Iterator[CompileLog]:
 
 def maybe_trace_startup(spec: Any) -> Any:
     """`trace_startup` into `$BENCH_STARTUP_PROFILE_DIR` when that is set, else a no-op."""
-    import os
-    from contextlib import nullcontext
-
     out_dir = os.environ.get("BENCH_STARTUP_PROFILE_DIR")
     if not out_dir:
         return nullcontext()
