@@ -85,8 +85,11 @@ def kill(on):
     time.sleep(0.3)  # the switch is re-read at most every 100 ms
 
 
+kwargs = spec["llm_kwargs"]
+if "cpu_offload_params" in kwargs:  # a set in EngineArgs; JSON carries a list
+    kwargs = {**kwargs, "cpu_offload_params": set(kwargs["cpu_offload_params"])}
 t0 = time.perf_counter()
-llm = LLM(**spec["llm_kwargs"])
+llm = LLM(**kwargs)
 result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": [],
           "startup_metrics": collect_text()}
 cfg = llm.llm_engine.vllm_config
@@ -94,6 +97,20 @@ result["config"] = {"worker_cls": cfg.parallel_config.worker_cls,
                     "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
                     "compilation_mode": str(cfg.compilation_config.mode),
                     "attention_backend": str(cfg.attention_config.backend)}
+from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
+# the offload mode the plugin's capability check saw ("none", "uva", ...)
+result["config"]["offload"] = facts_from_vllm_config(
+    cfg, PluginConfig.from_additional_config(cfg.additional_config)).offload
+def uva_offloaded(model):
+    # parameters vLLM's UVA offloader moved to pinned host memory (device views of it)
+    params = [(n, p) for n, p in model.named_parameters()
+              if getattr(p, "_vllm_is_uva_offloaded", False)]
+    return {"params": len(params), "bytes": sum(p.numel() * p.element_size() for _, p in params),
+            "names": sorted({n.split(".")[-1] for n, _ in params})}
+
+
+result["uva_offloaded"] = llm.apply_model(uva_offloaded)[0]
 if spec.get("redraw"):
     llm.apply_model(redraw_weights)
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
@@ -331,6 +348,27 @@ def test_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["sleep"]["identical_to_before_sleep"] == NUM_PROMPTS, summary["sleep"]
     assert summary["sleep"]["invalidations"] > 0, summary["sleep"]
     assert summary["sleep"]["captures_after_wake"] > 0, summary["sleep"]
+
+
+def test_uva_expert_offload_graphs_match_kill_switch_eager(tmp_path):
+    """The Qwen3-30B-A3B shape with experts in pinned host memory through vLLM's UVA offloader
+    (`--cpu-offload-gb 2 --cpu-offload-params experts`): the capability check allows it, decode
+    graphs are captured over the host-resident experts and replayed, token-identical to the
+    kill switch (the experts are read over PCIe by the same kernels in both)."""
+    model, vocab = _shape_dir(tmp_path, "qwen3-30b-a3b")
+    kwargs = _llm_kwargs(model, load_format="dummy", cpu_offload_gb=2,
+                         cpu_offload_params=["experts"])
+    result = run_engine(tmp_path, "uva-offload", kwargs, _prompts(vocab, 16),
+                        parity_phases((1, 8, 16)), max_tokens=64)
+    summary = check_parity(result)
+    summary["uva_offloaded"] = result["uva_offloaded"]
+    report("parity-uva-expert-offload", summary)
+    # 2 GiB of expert weights really live in host memory (only expert weights), and the
+    # plugin's capability check saw UVA offload and still took decode graphs over
+    off = result["uva_offloaded"]
+    assert off["bytes"] >= 2 * 2**30 and off["names"] == ["w13_weight", "w2_weight"], off
+    assert summary["config"]["offload"] == "uva", summary["config"]
+    assert_parity(summary)
 
 
 def test_tiny_checkpoint_graphs_match_kill_switch_eager(tmp_path):
