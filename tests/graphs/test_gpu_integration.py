@@ -102,6 +102,8 @@ from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
 # the offload mode the plugin's capability check saw ("none", "uva", ...)
 result["config"]["offload"] = facts_from_vllm_config(
     cfg, PluginConfig.from_additional_config(cfg.additional_config)).offload
+
+
 def uva_offloaded(model):
     # parameters vLLM's UVA offloader moved to pinned host memory (device views of it)
     params = [(n, p) for n, p in model.named_parameters()
