@@ -74,10 +74,11 @@ def recording_moe_configs() -> Iterator[list[MoeCall]]:
         yield found
         return
     original = getattr(module, CONFIG_FUNCTION)
+    signature = inspect.signature(original)
     seen: set[str] = set()
 
     def recording(*args: Any, **kwargs: Any) -> dict:
-        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
         rest = {k: v for k, v in bound.arguments.items() if k != "M"}
         key = repr(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v)
                           for k, v in rest.items()))
