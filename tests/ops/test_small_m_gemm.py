@@ -55,6 +55,18 @@ def _run(x, w, b, cfg, device):
     return out
 
 
+def assert_same_row(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A row's result does not depend on how many rows share the launch.
+
+    Bit for bit on the GPU, which is what the kernel promises. Under TRITON_INTERPRET=1 `tl.dot`
+    is numpy's BLAS, whose blocking depends on M and on the CPU, so there only float32 rounding
+    (a few ulps) is allowed."""
+    if got.is_cuda:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 # (n, k, config): unaligned N and K, several N and K tiles, split-K with a partial last tile
 CASES = [
     (40, 72, SMALL),
@@ -120,9 +132,9 @@ def test_rows_past_m_are_never_touched(num_splits, device):
 def test_row_bits_do_not_depend_on_m(cfg, device):
     x, w, b = _make(16, 48, 200, device)
     full = _run(x, w, b, cfg, device)
-    assert torch.equal(_run(x[:1], w, b, cfg, device)[0], full[0])
-    assert torch.equal(_run(x[:5], w, b, cfg, device), full[:5])
-    assert torch.equal(_run(x[7:8], w, b, cfg, device)[0], full[7])
+    assert_same_row(_run(x[:1], w, b, cfg, device)[0], full[0])
+    assert_same_row(_run(x[:5], w, b, cfg, device), full[:5])
+    assert_same_row(_run(x[7:8], w, b, cfg, device)[0], full[7])
 
 
 def test_deterministic(device):
@@ -156,7 +168,7 @@ def test_silu_mul_input_matches_torch(m, n, k, cfg, device):
     # a row's bits do not depend on M, as without the prologue
     one = small_m_linear(gate_up[:1], w, b, workspace=_workspace(n, cfg, device), config=cfg,
                          silu_mul=True)
-    assert torch.equal(one[0], out[0])
+    assert_same_row(one[0], out[0])
 
 
 def test_silu_mul_refuses_a_gate_up_of_the_wrong_width(device):

@@ -1,0 +1,387 @@
+"""Serving benchmark: TTFT / TPOT / ITL / throughput of a real `vllm serve` under Poisson traffic,
+the plugin against stock vLLM, side by side in one run.
+
+For each mode (plugin, stock = the H200 default FLASH_ATTN, stock_triton) it starts `vllm serve`
+on a shipped Qwen3 shape with dummy weights and no tokenizer (prompts are token ids), waits for
+/health, warms up (the same warm-up in every mode: each workload at its highest rate for
+--warmup-s), then offers each workload at each rate for --duration-s (Poisson arrivals, seeded:
+every mode gets the same requests), reads the engine's step counters from /metrics around each
+window, and stops the server. `moe_offload` runs on a second server of the mode with
+`--cpu-offload-gb N --cpu-offload-params experts`.
+
+Results: <results-dir>/<name>.json (env, per-mode server facts, rows, ratios, saturation) and
+<name>.png; the table is printed last. See docs/benchmarking.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks import serve_report as report
+from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
+    summarize
+from benchmarks.serve_server import SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
+    step_shares
+from benchmarks.shapes import MODELS, prepare_config_dir, read_config
+from benchmarks.sweep import environment, gpu_problem
+
+EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
+RESERVE_S = 20.0  # kept back from --time-budget-s for writing the results
+DEFAULT_RATES: dict[str, dict[str, list[float]]] = {  # req/s, up to where each shape saturates
+    "qwen3-0.6b": {"chat": [4, 16, 32, 64], "long": [2, 4, 8, 16]},
+    "qwen3-8b": {"chat": [2, 4, 8, 16], "long": [0.5, 1, 2, 4]},
+    "qwen3-30b-a3b": {"chat": [4, 8, 16, 24], "long": [0.5, 1, 2, 4], "moe_offload": [2, 4]},
+}
+
+
+def _rates(text: str) -> tuple[str, list[float]]:
+    """`chat:4,16,32` -> ("chat", [4.0, 16.0, 32.0])."""
+    name, _, values = text.partition(":")
+    try:
+        rates = sorted({float(v) for v in values.split(",") if v.strip()})
+    except ValueError:
+        rates = []
+    if not name or not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(
+            f"expected WORKLOAD:RATE[,RATE...] with positive rates, e.g. chat:4,16, got {text!r}")
+    return name, rates
+
+
+def _lengths(text: str) -> tuple[str, tuple[int, int], tuple[int, int]]:
+    """`chat:16-64:4-8` -> ("chat", (16, 64), (4, 8))."""
+    try:
+        name, prompt, output = text.split(":")
+        p = tuple(int(v) for v in prompt.split("-"))
+        o = tuple(int(v) for v in output.split("-"))
+        assert len(p) == len(o) == 2 and 1 <= p[0] <= p[1] and 1 <= o[0] <= o[1]
+    except (ValueError, AssertionError):
+        raise argparse.ArgumentTypeError(
+            f"expected WORKLOAD:PMIN-PMAX:OMIN-OMAX, e.g. chat:128-1024:128-256, got {text!r}"
+        ) from None
+    return name, p, o  # type: ignore[return-value]
+
+
+def _csv(text: str) -> list[str]:
+    return [v for v in text.replace(" ", "").split(",") if v]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join([
+            "modes:", *(f"  {m.name:<14}{m.description}" for m in SERVE_MODES.values()), "",
+            "workloads:", *(f"  {w.name:<14}{w.description}" for w in WORKLOADS.values()), "",
+            "default rates (req/s):",
+            *(f"  {m:<14}" + "; ".join(f"{w} {','.join(f'{r:g}' for r in rs)}"
+                                       for w, rs in d.items()) for m, d in DEFAULT_RATES.items()),
+            "", "merge: python -m benchmarks.serve merge A.json B.json ... --name NAME "
+            "[--results-dir DIR]: rows of later files win on the same mode/workload/rate.",
+            "plot:  python -m benchmarks.serve --plot RESULT.json: redraw the PNG.",
+            "exit codes: 0 rows measured, 1 none, 2 usage, 3 no GPU (see --allow-cpu)."]))
+    ap.add_argument("--model", default="qwen3-0.6b",
+                    help=f"shipped shape ({', '.join(MODELS)}) or a model directory with a "
+                    "config.json (default: qwen3-0.6b)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="cut a shipped shape to this many layers (default: all)")
+    ap.add_argument("--modes", type=_csv, default=list(SERVE_MODES),
+                    help=f"comma-separated (default: {','.join(SERVE_MODES)})")
+    ap.add_argument("--workloads", type=_csv, default=None,
+                    help="comma-separated (default: chat,long, plus moe_offload for a MoE shape)")
+    ap.add_argument("--rates", type=_rates, action="append", default=[],
+                    help="WORKLOAD:R1,R2,... requests/s; repeat per workload (default: the "
+                    "shape's, below)")
+    ap.add_argument("--lengths", type=_lengths, action="append", default=[],
+                    help="WORKLOAD:PMIN-PMAX:OMIN-OMAX overrides a workload's prompt and output "
+                    "lengths (tokens)")
+    ap.add_argument("--duration-s", type=float, default=10.0,
+                    help="arrival window per rate, seconds (default: 10)")
+    ap.add_argument("--min-requests", type=int, default=24,
+                    help="requests per window at least, whatever the rate (default: 24)")
+    ap.add_argument("--warmup-s", type=float, default=4.0,
+                    help="warm-up per workload at its highest rate, seconds (default: 4)")
+    ap.add_argument("--drain-timeout-s", type=float, default=90.0,
+                    help="after a window's last arrival, wait this long for its requests; "
+                    "unfinished ones count as failed (default: 90)")
+    ap.add_argument("--clients", type=int, default=4,
+                    help="client processes sending the load (default: 4)")
+    ap.add_argument("--seed", type=int, default=0, help="request seed (default: 0)")
+    ap.add_argument("--offload-gb", type=float, default=29.0,
+                    help="--cpu-offload-gb of the moe_offload server (default: 29, half of "
+                    "Qwen3-30B-A3B's experts)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `vllm serve` flag for every mode, repeatable (e.g. "
+                    "--server-arg=--max-num-seqs=256)")
+    ap.add_argument("--start-timeout-s", type=float, default=600.0,
+                    help="longest wait for a server's /health (default: 600)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="stop starting windows that would not end within this many seconds "
+                    "(default: no limit); split evenly over the modes left")
+    ap.add_argument("--name", default=None, help="result name (default: serve-<model>)")
+    ap.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="server logs (default: a temporary directory)")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run without an NVIDIA GPU (vLLM's CPU build; plumbing tests only)")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+class Plan:
+    """The checked options: model directory, workloads with their rates, modes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        if args.clients < 1 or args.min_requests < 1:
+            raise ValueError(f"--clients and --min-requests must be >= 1, got {args.clients} "
+                             f"and {args.min_requests}")
+        if args.duration_s <= 0 or args.warmup_s < 0 or args.drain_timeout_s <= 0:
+            raise ValueError("--duration-s and --drain-timeout-s must be > 0 and --warmup-s "
+                             f">= 0, got {args.duration_s}, {args.drain_timeout_s}, "
+                             f"{args.warmup_s}")
+        self.modes: list[ServeMode] = parse_modes(args.modes)
+        self.work_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serve-bench-"))
+        if args.model in MODELS:
+            self.model = args.model
+            self.model_dir, self.layers = prepare_config_dir(args.model, args.num_layers,
+                                                             self.work_dir)
+        elif (Path(args.model) / "config.json").is_file():
+            if args.num_layers is not None:
+                raise ValueError("--num-layers applies to shipped shapes only")
+            self.model, self.model_dir = Path(args.model).name, Path(args.model)
+            self.layers = int(read_config(self.model_dir)["num_hidden_layers"])
+        else:
+            raise ValueError(f"--model {args.model!r} is neither a shipped shape "
+                             f"({', '.join(MODELS)}) nor a directory with a config.json")
+        cfg = read_config(self.model_dir)
+        self.vocab_size = int(cfg["vocab_size"])
+        moe = bool(cfg.get("num_experts"))
+        names = args.workloads or (["chat", "long"] + (["moe_offload"] if moe else []))
+        workloads = parse_workloads(names)
+        if not moe and any(w.server == "moe_offload" for w in workloads):
+            raise ValueError(f"workload moe_offload needs a MoE model; {self.model} has no experts")
+        lengths = {name: (p, o) for name, p, o in args.lengths}
+        rates = {**DEFAULT_RATES.get(self.model, {}), **dict(args.rates)}
+        for name in list(lengths) + list(dict(args.rates)):
+            if name not in names:
+                raise ValueError(f"--lengths/--rates name workload {name!r}, which is not run "
+                                 f"(--workloads {','.join(names)})")
+        self.workloads: list[tuple[Workload, list[float]]] = []
+        for w in workloads:
+            if w.name not in rates:
+                raise ValueError(f"no rates for workload {w.name!r} of {self.model}: pass "
+                                 f"--rates {w.name}:R1,R2,...")
+            if w.name in lengths:
+                w = Workload(w.name, *lengths[w.name], w.description, w.server)
+            self.workloads.append((w, rates[w.name]))
+        self.name = args.name or f"serve-{self.model}"
+
+    def servers(self) -> list[str]:
+        return list(dict.fromkeys(w.server for w, _ in self.workloads))
+
+    def server_args(self, mode: ServeMode, server: str, extra: list[str],
+                    offload_gb: float) -> list[str]:
+        args = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                "--served-model-name", self.model, *mode.args]
+        if server == "moe_offload":
+            args += ["--cpu-offload-gb", f"{offload_gb:g}", "--cpu-offload-params", "experts"]
+        return args + extra
+
+
+def _say(t0: float, text: str) -> None:
+    print(f"[serve +{time.monotonic() - t0:5.0f}s] {text}", flush=True)
+
+
+def _window_s(args: argparse.Namespace, rate: float) -> float:
+    """Rough wall time of one window (arrivals, then a few seconds of drain)."""
+    return max(args.duration_s, args.min_requests / rate) + 8.0
+
+
+def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: ProcessPoolExecutor,
+             t0: float, deadline: float | None) -> tuple[list[dict[str, Any]], dict[str, Any],
+                                                          list[str]]:
+    """Every server of one mode: start, warm up, measure each workload x rate, stop."""
+    rows, facts, skipped = [], {}, []
+    for server_kind in plan.servers():
+        kind_workloads = [(w, rs) for w, rs in plan.workloads if w.server == server_kind]
+        sargs = plan.server_args(mode, server_kind, args.server_arg, args.offload_gb)
+        log = plan.work_dir / f"serve-{plan.model}-{mode.name}-{server_kind}.log"
+        server = Server(plan.model_dir, sargs, mode.env, log)
+        _say(t0, f"{mode.name}/{server_kind}: starting vllm serve {' '.join(sargs)}")
+        info: dict[str, Any] = {"args": sargs, "env": dict(mode.env), "log": log.name}
+        facts[server_kind] = info
+        try:
+            limit = args.start_timeout_s if deadline is None else max(
+                1.0, min(args.start_timeout_s, deadline - time.monotonic()))
+            info["ready_s"] = round(server.start(limit), 1)
+            info.update(log_facts(server.log_text()))
+            _say(t0, f"{mode.name}/{server_kind}: ready in {info['ready_s']} s; attention "
+                     f"{info['attention_backend']}, cudagraph {info['cudagraph_mode']}, "
+                     f"compile {info['compilation_mode']}, plugin "
+                     f"{'yes' if info['plugin'] else 'no'}")
+            info["warmup"] = {}
+            for w, rs in kind_workloads:
+                if args.warmup_s > 0:
+                    reqs = plan_window(w, max(rs), args.warmup_s, args.clients,
+                                       args.seed + 1000, plan.vocab_size)
+                    recs, wall = run_window(pool, args.clients, server.base_url, plan.model,
+                                            reqs, args.drain_timeout_s)
+                    s = summarize(recs, max(rs))
+                    info["warmup"][w.name] = {"requests": s["requests"], "failed": s["failed"],
+                                              "wall_s": round(wall, 1)}
+                    _say(t0, f"{mode.name}: warm-up {w.name}: {s['completed']}/{s['requests']} "
+                             f"in {wall:.1f} s")
+                for rate in rs:
+                    where = f"{mode.name}/{w.name}/r{rate:g}"
+                    if deadline is not None and time.monotonic() + _window_s(args, rate) \
+                            > deadline:
+                        skipped.append(f"{where}: time budget")
+                        _say(t0, f"{where}: skipped (time budget)")
+                        continue
+                    if not server.alive():
+                        skipped.append(f"{where}: server exited")
+                        continue
+                    rows.append(_measure(plan, mode, w, rate, server, pool, args))
+                    _say(t0, _progress(rows[-1]))
+        except RuntimeError as exc:
+            info["error"] = str(exc).splitlines()[0]
+            skipped.append(f"{mode.name}/{server_kind}: {info['error']}")
+            _say(t0, f"{mode.name}/{server_kind}: FAILED: {exc}")
+        finally:
+            server.stop()
+            info.setdefault("attention_backend", log_facts(server.log_text())["attention_backend"])
+    return rows, facts, skipped
+
+
+def _measure(plan: Plan, mode: ServeMode, w: Workload, rate: float, server: Server,
+             pool: ProcessPoolExecutor, args: argparse.Namespace) -> dict[str, Any]:
+    reqs = plan_window(w, rate, args.duration_s, args.min_requests, args.seed, plan.vocab_size)
+    before = server.scrape()
+    recs, wall = run_window(pool, args.clients, server.base_url, plan.model, reqs,
+                            args.drain_timeout_s)
+    after = server.scrape()
+    row = {"model": plan.model, "mode": mode.name, "workload": w.name, **summarize(recs, rate),
+           "wall_s": round(wall, 1), "steps": step_shares(before, after)}
+    return row
+
+
+def _progress(r: dict[str, Any]) -> str:
+    share = r["steps"].get("replayed_share")
+    text = (f"{r['mode']}/{r['workload']}/r{r['rate']:g}: {r['completed']}/{r['requests']} ok, "
+            f"ttft p50 {r['ttft_ms']['p50']} ms, tpot p50 {r['tpot_ms']['p50']} ms, "
+            f"{r['output_tokens_per_s']} tok/s, lag p99 {r['send_lag_ms']['p99']} ms, "
+            f"{r['steps']['engine_steps']} steps")
+    if share is not None:
+        text += f", replayed {share:.0%} eager {r['steps']['eager']}"
+    if r["client_lagging"]:
+        text += " -- CLIENT LAGGING: raise --clients"
+    return text
+
+
+def assemble(name: str, model: str, env: dict[str, Any], plan_workloads: list[Any],
+             modes: dict[str, Any], rows: list[dict[str, Any]], skipped: list[str]) -> dict:
+    doc = {
+        "schema": report.SCHEMA, "name": name, "env": env, "model": model, "modes": modes,
+        "workloads": {w.name: {"prompt_len": list(w.prompt_len), "output_len": list(w.output_len),
+                               "description": w.description, "rates": rates}
+                      for w, rates in plan_workloads},
+        "rows": rows, "ratios": report.compute_ratios(rows),
+        "saturation": report.saturation(rows), "skipped": skipped,
+    }
+    report.check_schema(doc)
+    return doc
+
+
+def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{doc['name']}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+    if not no_plot and (png := report.render(doc, path.with_suffix(".png"))):
+        print(f"wrote {png}", flush=True)
+    print(report.format_table(doc), flush=True)
+    return 0 if doc["rows"] else EXIT_NO_ROWS
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    plan = Plan(args)
+    if not args.allow_cpu and (problem := gpu_problem()):
+        print(f"error: the serving benchmark needs an NVIDIA GPU: {problem}. Run it on a GPU "
+              f"machine (docs/benchmarking.md), or pass --allow-cpu with vLLM's CPU build.",
+              file=sys.stderr, flush=True)
+        return EXIT_NO_GPU
+    deadline = None if args.time_budget_s is None else t0 + args.time_budget_s - RESERVE_S
+    _say(t0, f"{plan.model} ({plan.layers} layers), modes {[m.name for m in plan.modes]}, "
+             f"workloads {[(w.name, rs) for w, rs in plan.workloads]}, logs in {plan.work_dir}")
+    rows: list[dict[str, Any]] = []
+    modes: dict[str, Any] = {}
+    skipped: list[str] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.clients, mp_context=ctx) as pool:
+        for i, mode in enumerate(plan.modes):
+            share = None if deadline is None else time.monotonic() + (
+                deadline - time.monotonic()) / (len(plan.modes) - i)
+            mode_rows, facts, mode_skipped = run_mode(plan, mode, args, pool, t0, share)
+            rows += mode_rows
+            skipped += mode_skipped
+            modes[mode.name] = {"description": mode.description, "servers": facts}
+    env = environment(args, [], {plan.model: plan.layers}, [])
+    doc = assemble(plan.name, plan.model, env, plan.workloads, modes, rows, skipped)
+    return finish(doc, args.results_dir, args.no_plot)
+
+
+def merge(paths: list[str], name: str, results_dir: Path) -> int:
+    """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for p, d in zip(paths, docs):
+        report.check_schema(d)
+        if d["model"] != docs[0]["model"]:
+            raise ValueError(f"{p} is for {d['model']}, {paths[0]} for {docs[0]['model']}")
+    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
+    modes, workloads, skipped = {}, {}, []
+    for d in docs:
+        rows.update({(r["mode"], r["workload"], r["rate"]): r for r in d["rows"]})
+        modes.update(d["modes"])
+        workloads.update(d["workloads"])
+        skipped += d.get("skipped", [])
+    env = {**docs[-1]["env"], "merged_from": [{"file": Path(p).name, "date": d["env"].get("date"),
+                                               "git_commit": d["env"].get("git_commit")}
+                                              for p, d in zip(paths, docs)]}
+    row_list = list(rows.values())
+    doc = {"schema": report.SCHEMA, "name": name, "env": env, "model": docs[0]["model"],
+           "modes": modes, "workloads": workloads, "rows": row_list,
+           "ratios": report.compute_ratios(row_list), "saturation": report.saturation(row_list),
+           "skipped": skipped}
+    return finish(doc, results_dir, False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["merge"]:
+            mp = argparse.ArgumentParser(prog="python -m benchmarks.serve merge")
+            mp.add_argument("files", nargs="+")
+            mp.add_argument("--name", required=True)
+            mp.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+            a = mp.parse_args(argv[1:])
+            return merge(a.files, a.name, a.results_dir)
+        if argv[:1] == ["--plot"] and len(argv) == 2:
+            doc = json.loads(Path(argv[1]).read_text())
+            report.check_schema(doc)
+            return 0 if report.render(doc, Path(argv[1]).with_suffix(".png")) else EXIT_NO_ROWS
+        return run(parser().parse_args(argv))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

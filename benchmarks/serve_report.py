@@ -1,0 +1,185 @@
+"""What `benchmarks.serve` makes of its rows: ratios between modes, the saturating rate, the
+printed table, the result file's schema and the plot (matplotlib, imported lazily).
+
+Ratio keys: `<metric>_<A>_over_<B>/<model>/<workload>/r<rate>`, time of A over time of B (> 1
+means B is faster), for metric in RATIO_METRICS with B = plugin and A each stock mode; and
+`otps_plugin_over_<A>/...`, output tokens/s of the plugin over A's (> 1 means the plugin serves
+more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.load import rate_label
+
+SCHEMA = "vllm_moe_graphs.serve_bench/1"
+PLUGIN = "plugin"
+RATIO_METRICS = {  # ratio metric -> (row field, statistic)
+    "ttft_p50": ("ttft_ms", "p50"),
+    "ttft_p99": ("ttft_ms", "p99"),
+    "tpot_p50": ("tpot_ms", "p50"),
+    "tpot_p99": ("tpot_ms", "p99"),
+    "e2e_p50": ("e2e_ms", "p50"),
+}
+# A rate saturates the server when going up to it from the rate below gained less than this
+# share of the offered growth in output tokens/s, or its TTFT p50 is past TTFT_BLOWUP times the
+# lowest rate's.
+GROWTH_FLOOR = 0.7
+TTFT_BLOWUP = 5.0
+ROW_KEYS = ("model", "mode", "workload", "rate", "requests", "completed", "failed", "ttft_ms",
+            "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms", "output_tokens_per_s",
+            "requests_per_s", "steps")
+
+
+def _stat(row: Mapping[str, Any], field: str, stat: str) -> float | None:
+    value = (row.get(field) or {}).get(stat)
+    return float(value) if value is not None else None
+
+
+def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Every ratio between the plugin and each other mode at the same model, workload, rate."""
+    by_point: dict[tuple[str, str, float], dict[str, Mapping[str, Any]]] = {}
+    for row in rows:
+        if row.get("completed"):
+            by_point.setdefault((row["model"], row["workload"], row["rate"]), {})[row["mode"]] = row
+    out: dict[str, float] = {}
+    for (model, workload, rate), modes in sorted(by_point.items()):
+        plugin = modes.get(PLUGIN)
+        if plugin is None:
+            continue
+        where = f"{model}/{workload}/{rate_label(rate)}"
+        for other, row in sorted(modes.items()):
+            if other == PLUGIN:
+                continue
+            for metric, (field, stat) in RATIO_METRICS.items():
+                a, b = _stat(row, field, stat), _stat(plugin, field, stat)
+                if a is not None and b:
+                    out[f"{metric}_{other}_over_{PLUGIN}/{where}"] = round(a / b, 3)
+            a, b = plugin.get("output_tokens_per_s"), row.get("output_tokens_per_s")
+            if a is not None and b:
+                out[f"otps_{PLUGIN}_over_{other}/{where}"] = round(a / b, 3)
+    return out
+
+
+def saturation(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per `<mode>/<workload>`: the lowest rate that saturates the server (None if none of the
+    measured rates did), the highest output tokens/s seen and at which rate."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        if row.get("completed"):
+            groups.setdefault(f"{row['mode']}/{row['workload']}", []).append(row)
+    out = {}
+    for key, group in sorted(groups.items()):
+        group = sorted(group, key=lambda r: r["rate"])
+        base_ttft = _stat(group[0], "ttft_ms", "p50")
+        saturated_at = None
+        for prev, cur in zip(group, group[1:]):
+            gained = (cur["output_tokens_per_s"] or 0) / max(prev["output_tokens_per_s"] or 0, 1e-9)
+            offered = cur["rate"] / prev["rate"]
+            ttft = _stat(cur, "ttft_ms", "p50")
+            if (gained - 1) < GROWTH_FLOOR * (offered - 1) or (
+                    base_ttft and ttft and ttft > TTFT_BLOWUP * base_ttft):
+                saturated_at = cur["rate"]
+                break
+        best = max(group, key=lambda r: r["output_tokens_per_s"] or 0)
+        out[key] = {"saturated_at": saturated_at, "rates": [r["rate"] for r in group],
+                    "max_output_tokens_per_s": best["output_tokens_per_s"],
+                    "at_rate": best["rate"]}
+    return out
+
+
+def check_schema(doc: Mapping[str, Any]) -> None:
+    """Raise ValueError naming what a result document lacks."""
+    missing = [k for k in ("schema", "name", "env", "model", "modes", "workloads", "rows",
+                           "ratios", "saturation") if k not in doc]
+    if missing:
+        raise ValueError(f"serving result lacks {', '.join(missing)}")
+    if doc["schema"] != SCHEMA:
+        raise ValueError(f"schema {doc['schema']!r}, expected {SCHEMA!r}")
+    for i, row in enumerate(doc["rows"]):
+        lacking = [k for k in ROW_KEYS if k not in row]
+        if lacking:
+            raise ValueError(f"row {i} lacks {', '.join(lacking)}")
+
+
+def _f(value: Any, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _steps_text(steps: Mapping[str, Any] | None) -> str:
+    if not steps or steps.get("replayed_share") is None:
+        return "-"
+    eager = " ".join(f"{k} {v:.0%}" for k, v in steps.get("eager_share", {}).items())
+    return f"{steps['replayed_share']:.0%}" + (f" ({eager})" if eager else "")
+
+
+def format_table(doc: Mapping[str, Any]) -> str:
+    """One line per workload x rate x mode, then the plugin's ratios to each stock mode."""
+    head = (f"{'workload':<12}{'rate':>6} {'mode':<13}{'ttft p50':>9}{'p99':>8}{'tpot p50':>9}"
+            f"{'p99':>7}{'e2e p50':>9}{'tok/s':>8}{'fail':>5}{'lag p99':>8}  replayed")
+    lines = [head, "-" * len(head)]
+    rows = sorted(doc["rows"], key=lambda r: (r["workload"], r["rate"], r["mode"] != PLUGIN,
+                                              r["mode"]))
+    for r in rows:
+        lines.append(
+            f"{r['workload']:<12}{r['rate']:>6g} {r['mode']:<13}"
+            f"{_f(_stat(r, 'ttft_ms', 'p50')):>9}{_f(_stat(r, 'ttft_ms', 'p99')):>8}"
+            f"{_f(_stat(r, 'tpot_ms', 'p50'), '.2f'):>9}{_f(_stat(r, 'tpot_ms', 'p99'), '.2f'):>7}"
+            f"{_f(_stat(r, 'e2e_ms', 'p50'), '.0f'):>9}{_f(r['output_tokens_per_s'], '.0f'):>8}"
+            f"{r['failed']:>5}{_f(_stat(r, 'send_lag_ms', 'p99'), '.1f'):>8}  "
+            f"{_steps_text(r.get('steps'))}")
+    lines.append("")
+    lines.append("ratios (stock time / plugin time; otps plugin / stock): > 1 = plugin better")
+    for key, value in doc["ratios"].items():
+        lines.append(f"  {key:<58} {value:6.3f}")
+    lines.append("")
+    for key, sat in doc["saturation"].items():
+        at = f"saturates at {sat['saturated_at']:g} req/s" if sat["saturated_at"] is not None \
+            else f"not saturated up to {max(sat['rates']):g} req/s"
+        lines.append(f"  {key:<26} {at}; best {_f(sat['max_output_tokens_per_s'], '.0f')} "
+                     f"output tok/s at {sat['at_rate']:g} req/s")
+    return "\n".join(lines)
+
+
+def render(doc: Mapping[str, Any], path: Path) -> Path | None:
+    """TTFT p50 (top) and TPOT p50 (bottom) against rate, one column per workload, one line per
+    mode. None (with the reason printed) without matplotlib or rows."""
+    rows = doc.get("rows", [])
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    if not workloads:
+        print("plot: no rows to plot", flush=True)
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"plot: matplotlib is not installed ({exc}); skipping {path.name}; redraw with "
+              f"`python -m benchmarks.serve --plot {path.with_suffix('.json')}`", flush=True)
+        return None
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.6 * len(workloads), 7), squeeze=False)
+    for col, workload in enumerate(workloads):
+        for row_i, (field, label) in enumerate((("ttft_ms", "TTFT p50 (ms)"),
+                                                ("tpot_ms", "TPOT p50 (ms)"))):
+            ax = axes[row_i][col]
+            for mode in dict.fromkeys(r["mode"] for r in rows):
+                pts = sorted((r["rate"], _stat(r, field, "p50")) for r in rows
+                             if r["mode"] == mode and r["workload"] == workload
+                             and _stat(r, field, "p50") is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+            ax.set_xlabel("offered rate (req/s)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{doc['model']} / {workload}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"vllm serve, {doc['env'].get('gpu_name', '?')}: {doc['name']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

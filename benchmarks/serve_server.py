@@ -1,0 +1,208 @@
+"""One real `vllm serve` for `benchmarks.serve`: the modes it can run in, its start and stop, what
+its log says it resolved (attention backend, CUDA-graph mode, compilation mode), and the engine
+step counts its `/metrics` shows.
+
+Stock modes run with `VLLM_PLUGINS=` (empty): no general plugin loads, ours included, exactly as
+vLLM runs without the plugin installed. The plugin mode is plain `vllm serve` with the plugin
+installed: nothing is passed to turn it on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeMode:
+    name: str
+    description: str
+    args: tuple[str, ...] = ()  # server flags of this mode only
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+SERVE_MODES: dict[str, ServeMode] = {
+    m.name: m
+    for m in (
+        ServeMode("plugin", "plain `vllm serve` with vllm_moe_graphs installed: the plugin takes "
+                  "decode graphs over"),
+        ServeMode("stock", "stock vLLM as an H200 user runs it (VLLM_PLUGINS=): its default "
+                  "attention backend (FLASH_ATTN, FlashAttention 3), FULL_AND_PIECEWISE graphs, "
+                  "torch.compile", env={"VLLM_PLUGINS": ""}),
+        ServeMode("stock_triton", "stock vLLM with --attention-backend TRITON_ATTN "
+                  "(VLLM_PLUGINS=)", args=("--attention-backend", "TRITON_ATTN"),
+                  env={"VLLM_PLUGINS": ""}),
+    )
+}
+
+
+def parse_modes(names: Sequence[str]) -> list[ServeMode]:
+    unknown = [n for n in names if n not in SERVE_MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(SERVE_MODES)}")
+    return [SERVE_MODES[n] for n in dict.fromkeys(names)]
+
+
+# What vLLM 0.26.0 logs once it has resolved its configuration (first match wins).
+_LOG_FACTS = {
+    "attention_backend": (re.compile(r"Using (\w+) attention backend out of potential"),
+                          re.compile(r"Using AttentionBackendEnum\.(\w+) backend")),
+    "cudagraph_mode": (re.compile(r"'cudagraph_mode': <CUDAGraphMode\.(\w+)"),),
+    "compilation_mode": (re.compile(r"'mode': <CompilationMode\.(\w+)"),),
+    "plugin": (re.compile(r"(moe_graphs [\d.]+: registered)"),),
+}
+
+
+def log_facts(log_text: str) -> dict[str, str | None]:
+    """The resolved attention backend, CUDA-graph mode and compilation mode in a server log,
+    and whether our plugin registered (None for what the log does not say)."""
+    out: dict[str, str | None] = {}
+    for key, patterns in _LOG_FACTS.items():
+        out[key] = next((m.group(1) for p in patterns if (m := p.search(log_text))), None)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+class Server:
+    """`python -m vllm.entrypoints.cli.main serve MODEL ...` in its own process group."""
+
+    def __init__(self, model_dir: Path, args: Sequence[str], env: Mapping[str, str],
+                 log_path: Path) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                        str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log_path = log_path
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+        full_env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        full_env.update(env)
+        self._env = full_env
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self, timeout_s: float) -> float:
+        """Start and wait for /health; returns seconds to ready. Raises RuntimeError with the
+        log's tail when the server exits or is not ready in time."""
+        t0 = time.monotonic()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=self._env, start_new_session=True)
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self._proc.returncode} before "
+                                   f"ready; log {self.log_path}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                http_get(self.base_url + "/health", timeout=2)
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s; log "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGINT to the group, SIGKILL after 30 s. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def scrape(self) -> dict[str, float]:
+        """The step counters of /metrics (see `step_counters`); empty when unreachable."""
+        try:
+            return step_counters(http_get(self.base_url + "/metrics"))
+        except OSError:
+            return {}
+
+
+def step_counters(metrics_text: str) -> dict[str, float]:
+    """Flat counters from a /metrics text: `replays`, `captures`, `fallback:<reason>` (the
+    plugin's, summed over ranks), and vLLM's `engine_steps` (the iteration-tokens histogram's
+    count) and `preemptions`."""
+    out: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        out[key] = out.get(key, 0.0) + value
+
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "moe_graphs_replays_total":
+                add("replays", s.value)
+            elif s.name == "moe_graphs_captures_total":
+                add("captures", s.value)
+            elif s.name == "moe_graphs_eager_fallbacks_total":
+                add("fallback:" + s.labels.get("reason", "?"), s.value)
+            elif s.name == "vllm:iteration_tokens_total_count":
+                add("engine_steps", s.value)
+            elif s.name == "vllm:num_preemptions_total":
+                add("preemptions", s.value)
+    return out
+
+
+def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:
+    """What a window's engine steps did: counter differences, and for the plugin the share of
+    its counted steps replayed from a graph and run eager by reason (warm-up steps before a
+    lazy capture are not counted by the plugin)."""
+    diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+    out: dict[str, Any] = {
+        "engine_steps": int(diff.get("engine_steps", 0)),
+        "preemptions": int(diff.get("preemptions", 0)),
+    }
+    if not any(k == "replays" or k.startswith("fallback:") for k in after):
+        return out  # no plugin series: stock vLLM
+    fallbacks = {k.split(":", 1)[1]: int(v) for k, v in sorted(diff.items())
+                 if k.startswith("fallback:") and v > 0}
+    replays = int(diff.get("replays", 0))
+    counted = replays + sum(fallbacks.values())
+    out.update(
+        replays=replays,
+        captures=int(diff.get("captures", 0)),
+        eager=fallbacks,
+        replayed_share=round(replays / counted, 4) if counted else None,
+        eager_share={k: round(v / counted, 4) for k, v in fallbacks.items()} if counted else {},
+    )
+    return out

@@ -1,0 +1,259 @@
+"""The serving benchmark's CPU side: workloads and arrivals, the load statistics, the /metrics
+step counters and log facts, ratio keys, saturation, the result schema and the CLI; and one run
+end to end through real `vllm serve` (the CPU build) with a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from benchmarks import serve, serve_report
+from benchmarks.load import (
+    LAG_P99_LIMIT_MS,
+    WORKLOADS,
+    Record,
+    plan_window,
+    rate_label,
+    summarize,
+)
+from benchmarks.serve_server import log_facts, step_counters, step_shares
+from tests.serve_util import cpu_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- workloads and arrivals ---------------------------------------------------------------------
+def test_window_is_seeded_per_workload_and_rate():
+    chat = WORKLOADS["chat"]
+    a = plan_window(chat, 16, 10, 24, seed=0, vocab_size=151936)
+    assert a == plan_window(chat, 16, 10, 24, seed=0, vocab_size=151936)
+    assert a != plan_window(chat, 16, 10, 24, seed=1, vocab_size=151936)
+    assert a[0].prompt != plan_window(chat, 32, 10, 24, seed=0, vocab_size=151936)[0].prompt
+    assert len(a) == 160
+    assert len(plan_window(chat, 0.5, 10, 24, seed=0, vocab_size=151936)) == 24  # the floor
+
+
+def test_window_lengths_ids_and_arrivals():
+    long = WORKLOADS["long"]
+    reqs = plan_window(long, 4, 50, 1, seed=3, vocab_size=151936)
+    assert all(4096 <= len(r.prompt) <= 8192 and r.max_tokens == 128 for r in reqs)
+    assert all(1000 <= t < 151936 for r in reqs for t in r.prompt)
+    times = [r.at_s for r in reqs]
+    assert times == sorted(times) and times[0] > 0
+    gaps = [b - a for a, b in zip([0.0] + times, times)]
+    assert 0.2 < sum(gaps) / len(gaps) < 0.3  # Poisson at 4 req/s: mean gap 0.25 s
+    tiny = plan_window(WORKLOADS["chat"], 1, 1, 2, seed=0, vocab_size=384)
+    assert all(96 <= t < 384 for r in tiny for t in r.prompt)
+
+
+@pytest.mark.parametrize("bad", [dict(rate=0), dict(duration_s=-1), dict(min_requests=0)])
+def test_window_rejects_bad_values(bad):
+    kw = dict(rate=1.0, duration_s=1.0, min_requests=1) | bad
+    with pytest.raises(ValueError, match="positive"):
+        plan_window(WORKLOADS["chat"], seed=0, vocab_size=1000, **kw)
+
+
+def test_rate_label():
+    assert [rate_label(r) for r in (16, 16.0, 0.5, 2.25)] == ["r16", "r16", "r0.5", "r2.25"]
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def _rec(i, scheduled, sent, chunks, tokens, error=None):
+    return Record(i, 100, scheduled, sent, list(chunks), tokens, error)
+
+
+def test_summarize_timings():
+    recs = [
+        _rec(0, 0.0, 0.001, [0.051, 0.061, 0.071], 3),  # ttft 50 ms, tpot 10 ms
+        _rec(1, 0.5, 0.502, [0.602, 0.622, 0.652], 4),  # ttft 100 ms, a chunk of 2 tokens
+        _rec(2, 1.0, 1.003, [], 0, error="HTTP 500: boom"),
+    ]
+    s = summarize(recs, rate=2.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["errors"] == {"HTTP 500: boom": 1}
+    assert s["ttft_ms"]["p50"] == pytest.approx(75.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(99.5)
+    assert s["tpot_ms"]["p50"] == pytest.approx((10.0 + 50 / 3) / 2, abs=1e-3)
+    assert s["itl_ms"]["p50"] == pytest.approx(15.0)  # gaps 10, 10, 20, 30 ms
+    assert s["e2e_ms"]["p50"] == pytest.approx((70.0 + 150.0) / 2)
+    assert s["send_lag_ms"]["max"] == pytest.approx(3.0)
+    assert not s["client_lagging"]
+    assert s["tokens_in_merged_chunks"] == 1
+    assert s["output_tokens"] == 7
+    assert s["span_s"] == pytest.approx(0.652)
+    assert s["output_tokens_per_s"] == pytest.approx(7 / 0.652, abs=0.1)
+
+
+def test_summarize_flags_a_lagging_client_and_empty_windows():
+    late = (LAG_P99_LIMIT_MS + 5) / 1e3
+    s = summarize([_rec(i, 0.1 * i, 0.1 * i + late, [0.1 * i + 0.2], 1) for i in range(10)], 1.0)
+    assert s["client_lagging"]
+    empty = summarize([_rec(0, 0.0, math.nan, [], 0, error="not sent")], 1.0)
+    assert empty["completed"] == 0 and empty["ttft_ms"]["p50"] is None
+    assert empty["output_tokens_per_s"] is None and not empty["client_lagging"]
+
+
+# -- /metrics and the server log ----------------------------------------------------------------
+def _exposition(replays, fallbacks, steps, plugin=True):
+    reg = CollectorRegistry()
+    if plugin:
+        Counter("moe_graphs_replays", "r", ["rank"], registry=reg).labels("0").inc(replays)
+        fb = Counter("moe_graphs_eager_fallbacks", "f", ["reason", "rank"], registry=reg)
+        for reason, n in fallbacks.items():
+            fb.labels(reason, "0").inc(n)
+        Counter("moe_graphs_captures", "c", ["rank"], registry=reg).labels("0").inc(2)
+    h = Histogram("vllm:iteration_tokens_total", "t", registry=reg, buckets=(1, 8, 64))
+    for _ in range(steps):
+        h.observe(3)
+    return generate_latest(reg).decode()
+
+
+def test_step_shares_from_real_exposition():
+    before = step_counters(_exposition(10, {"mixed_batch": 5}, 15))
+    after = step_counters(_exposition(40, {"mixed_batch": 15, "kill_switch": 0}, 55))
+    s = step_shares(before, after)
+    assert s["engine_steps"] == 40 and s["replays"] == 30
+    assert s["eager"] == {"mixed_batch": 10}
+    assert s["replayed_share"] == 0.75 and s["eager_share"] == {"mixed_batch": 0.25}
+    stock = step_shares(step_counters(_exposition(0, {}, 3, plugin=False)),
+                        step_counters(_exposition(0, {}, 9, plugin=False)))
+    assert stock == {"engine_steps": 6, "preemptions": 0}
+
+
+def test_log_facts_reads_what_vllm_logs():
+    log = "\n".join([
+        "INFO ... Initializing a V1 LLM engine (v0.26.0) with config: model='m', "
+        "compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': "
+        "<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>}",
+        "INFO ... Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN'].",
+    ])
+    assert log_facts(log) == {"attention_backend": "FLASH_ATTN",
+                              "cudagraph_mode": "FULL_AND_PIECEWISE",
+                              "compilation_mode": "VLLM_COMPILE", "plugin": None}
+    chosen = "INFO moe_graphs 0.1.0: registered in process X\nUsing AttentionBackendEnum.CUSTOM " \
+             "backend."
+    facts = log_facts(chosen)
+    assert facts["attention_backend"] == "CUSTOM" and facts["plugin"]
+
+
+# -- ratios, saturation, schema -----------------------------------------------------------------
+def _row(mode, rate, ttft, tpot, otps, workload="chat"):
+    d = lambda v: {"p50": v, "p90": v, "p99": 2 * v, "mean": v}  # noqa: E731
+    return {"model": "m", "mode": mode, "workload": workload, "rate": rate, "requests": 10,
+            "completed": 10, "failed": 0, "ttft_ms": d(ttft), "tpot_ms": d(tpot),
+            "itl_ms": d(tpot), "e2e_ms": d(ttft + 100 * tpot), "send_lag_ms": d(0.5),
+            "output_tokens_per_s": otps, "requests_per_s": 1.0, "steps": {}}
+
+
+def test_ratio_keys_and_direction():
+    rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0),
+            _row("stock_triton", 16, 60.0, 3.0, 2800.0), _row("stock", 4, 10.0, 1.0, 700.0)]
+    r = serve_report.compute_ratios(rows)
+    assert r["ttft_p50_stock_over_plugin/m/chat/r16"] == 1.25
+    assert r["tpot_p99_stock_triton_over_plugin/m/chat/r16"] == 1.5
+    assert r["otps_plugin_over_stock/m/chat/r16"] == pytest.approx(3000 / 2900, abs=1e-3)
+    assert not [k for k in r if "/r4" in k]  # no plugin row at rate 4: no ratio
+    assert {k.split("/")[0] for k in r} == {
+        f"{m}_{a}_over_plugin" for m in serve_report.RATIO_METRICS
+        for a in ("stock", "stock_triton")} | {"otps_plugin_over_stock",
+                                                "otps_plugin_over_stock_triton"}
+
+
+def test_saturation_finds_where_throughput_stops_growing():
+    rows = [_row("stock", 4, 30, 2, 800), _row("stock", 16, 35, 2, 3100),
+            _row("stock", 32, 60, 3, 4000), _row("stock", 64, 900, 5, 4100),
+            _row("plugin", 4, 30, 2, 800), _row("plugin", 8, 200, 2, 1600)]
+    sat = serve_report.saturation(rows)
+    assert sat["stock/chat"]["saturated_at"] == 32  # 2x offered, 1.29x served
+    assert sat["stock/chat"]["max_output_tokens_per_s"] == 4100
+    assert sat["plugin/chat"]["saturated_at"] == 8  # TTFT p50 past 5x the lowest rate's
+
+
+def test_result_schema_and_table():
+    rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0)]
+    doc = serve.assemble("n", "m", {"gpu_name": "x"}, [(WORKLOADS["chat"], [16])],
+                         {"plugin": {}, "stock": {}}, rows, [])
+    serve_report.check_schema(doc)
+    assert json.loads(json.dumps(doc)) == doc
+    table = serve_report.format_table(doc)
+    assert "ttft_p50_stock_over_plugin/m/chat/r16" in table and "not saturated" in table
+    del doc["rows"][0]["ttft_ms"]
+    with pytest.raises(ValueError, match="row 0 lacks ttft_ms"):
+        serve_report.check_schema(doc)
+    with pytest.raises(ValueError, match="lacks ratios"):
+        serve_report.check_schema({k: v for k, v in doc.items() if k != "ratios"})
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "benchmarks.serve", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_help_documents_every_option():
+    out = _cli("--help").stdout
+    for action in serve.parser()._actions:
+        for flag in action.option_strings:
+            assert flag in out
+    for name in ("plugin", "stock_triton", "moe_offload", "qwen3-30b-a3b", "merge"):
+        assert name in out
+
+
+@pytest.mark.skipif(serve.gpu_problem() is None, reason="this machine has a GPU")
+def test_without_gpu_fails_fast_with_the_reason(tmp_path):
+    proc = _cli("--results-dir", str(tmp_path))
+    assert proc.returncode == serve.EXIT_NO_GPU
+    assert "needs an NVIDIA GPU" in proc.stderr and "--allow-cpu" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--rates", "chat:0"], "positive rates"),
+    (["--modes", "stock,turbo"], "unknown mode(s) turbo"),
+    (["--workloads", "moe_offload"], "needs a MoE model"),
+    (["--model", "/nonexistent"], "neither a shipped shape"),
+    (["--rates", "long:1", "--workloads", "chat"], "'long', which is not run"),
+    (["--lengths", "chat:10-5:1-2"], "PMIN-PMAX"),
+])
+def test_bad_options_name_the_value(args, msg):
+    proc = _cli(*args)
+    assert proc.returncode == serve.EXIT_USAGE and msg in proc.stderr, proc.stderr
+
+
+# -- end to end ---------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
+    """Two modes through real `vllm serve` (CPU build, eager): every request completes, the
+    plugin's server registered the plugin and the stock one did not, ratios and saturation are
+    computed, and the same requests went to both modes."""
+    proc = _cli("--model", tiny_qwen3, "--modes", "plugin,stock", "--workloads", "chat",
+                "--rates", "chat:1,2", "--lengths", "chat:16-48:4-6", "--duration-s", "2",
+                "--min-requests", "3", "--warmup-s", "1", "--clients", "2", "--allow-cpu",
+                "--server-arg=--enforce-eager", "--name", "e2e", "--results-dir",
+                str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--no-plot",
+                env=cpu_env(cpu_vllm))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    serve_report.check_schema(doc)
+    assert len(doc["rows"]) == 4 and not doc["skipped"]
+    for row in doc["rows"]:
+        assert row["failed"] == 0 and row["completed"] == row["requests"] >= 3, row
+        assert 0 < row["ttft_ms"]["p50"] <= row["e2e_ms"]["p50"]
+        assert row["output_tokens"] >= 4 * row["completed"]
+        assert row["steps"]["engine_steps"] > 0
+    by_mode = {(r["mode"], r["rate"]): r for r in doc["rows"]}
+    assert by_mode[("plugin", 2)]["output_tokens"] == by_mode[("stock", 2)]["output_tokens"]
+    assert "replays" in by_mode[("plugin", 1)]["steps"]
+    assert "replays" not in by_mode[("stock", 1)]["steps"]
+    assert doc["modes"]["plugin"]["servers"]["default"]["plugin"]
+    assert doc["modes"]["stock"]["servers"]["default"]["plugin"] is None
+    assert "ttft_p50_stock_over_plugin/tiny/chat/r2" in doc["ratios"] or any(
+        k.startswith("ttft_p50_stock_over_plugin/") for k in doc["ratios"])
+    assert set(doc["saturation"]) == {"plugin/chat", "stock/chat"}
+    assert "ratios (stock time / plugin time" in proc.stdout
