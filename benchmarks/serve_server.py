@@ -124,17 +124,21 @@ class Server:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """SIGINT to the group, SIGKILL after 30 s. Idempotent."""
+        """SIGINT to the group, SIGKILL after 30 s; returns once every process of the group
+        (the engine core holding the GPU memory included) is gone. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + 30
+            while _group_alive(proc) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _group_alive(proc):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+                while _group_alive(proc) and time.monotonic() < deadline + 10:
+                    time.sleep(0.2)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -157,6 +161,28 @@ class Server:
             return step_counters(http_get(self.base_url + "/metrics"))
         except OSError:
             return {}
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    """Is any process of `proc`'s process group still running (zombies reaped)?"""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc.returncode is None or _group_has_others(proc.pid)
+
+
+def _group_has_others(pgid: int) -> bool:
+    """After the leader exited: does /proc list another process of group `pgid`?"""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def step_counters(metrics_text: str) -> dict[str, float]:
