@@ -80,6 +80,7 @@ class Record:
     index: int
     prompt_len: int
     scheduled_s: float
+    max_tokens: int
     sent_s: float = math.nan
     chunk_s: list[float] = dataclasses.field(default_factory=list)  # chunks that carried tokens
     output_tokens: int = 0
@@ -159,7 +160,7 @@ async def _client(base_url: str, model: str, requests: list[Request], t0: float,
 
     url = base_url + "/v1/completions"
     bodies = [_body(model, r) for r in requests]  # serialised before the window opens
-    recs = [Record(r.index, len(r.prompt), r.at_s) for r in requests]
+    recs = [Record(r.index, len(r.prompt), r.at_s, r.max_tokens) for r in requests]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=timeout) as session:
@@ -169,12 +170,12 @@ async def _client(base_url: str, model: str, requests: list[Request], t0: float,
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    for rec, req in zip(recs, requests):
+    for rec in recs:
         if rec.error is not None:
             continue
         if math.isnan(rec.sent_s):
             rec.error = "not sent before the window's deadline"
-        elif rec.output_tokens < req.max_tokens:
+        elif rec.output_tokens < rec.max_tokens:
             rec.error = "unfinished at the window's deadline"
     return recs
 
@@ -223,6 +224,8 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
     e2e = [r.chunk_s[-1] - r.sent_s for r in ok]
     lag = [r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)]
     span = max((r.chunk_s[-1] for r in ok), default=0.0)
+    window = max((r.scheduled_s for r in records), default=0.0)
+    offered = sum(r.max_tokens for r in records) / window if window > 0 else None
     tokens = sum(r.output_tokens for r in ok)
     merged = sum(r.output_tokens - len(r.chunk_s) for r in ok)
     errors = Counter(r.error for r in records if r.error is not None)
@@ -234,7 +237,7 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(errors.most_common(5)),
-        "arrival_window_s": round(max((r.scheduled_s for r in records), default=0.0), 3),
+        "arrival_window_s": round(window, 3),
         "span_s": round(span, 3),
         "prompt_tokens_mean": round(sum(r.prompt_len for r in ok) / len(ok), 1) if ok else None,
         "output_tokens": tokens,
@@ -246,6 +249,8 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
         "client_lagging": bool(lag) and send_lag["p99"] > LAG_P99_LIMIT_MS,
         "tokens_in_merged_chunks": merged,  # tokens that shared a chunk: ITL undercounts them
         "output_tokens_per_s": round(tokens / span, 1) if span > 0 else None,
+        # what the arrivals asked for: all requested tokens over the arrival window
+        "offered_output_tokens_per_s": round(offered, 1) if offered else None,
         "requests_per_s": round(len(ok) / span, 3) if span > 0 else None,
     }
 

@@ -64,8 +64,9 @@ def test_rate_label():
 
 
 # -- statistics ---------------------------------------------------------------------------------
-def _rec(i, scheduled, sent, chunks, tokens, error=None):
-    return Record(i, 100, scheduled, sent, list(chunks), tokens, error)
+def _rec(i, scheduled, sent, chunks, tokens, error=None, max_tokens=None):
+    return Record(i, 100, scheduled, max_tokens or max(tokens, 1), sent, list(chunks), tokens,
+                  error)
 
 
 def test_summarize_timings():
