@@ -24,11 +24,11 @@ RATIO_METRICS = {  # ratio metric -> (row field, statistic)
     "tpot_p99": ("tpot_ms", "p99"),
     "e2e_p50": ("e2e_ms", "p50"),
 }
-# A rate saturates the server when going up to it from the rate below gained less than this
-# share of the offered growth in output tokens/s, or its TTFT p50 is past TTFT_BLOWUP times the
-# lowest rate's.
-GROWTH_FLOOR = 0.7
-TTFT_BLOWUP = 5.0
+# The saturating rate is the lowest measured rate whose TTFT p50 or TPOT p50 is past
+# LATENCY_KNEE times the lowest rate's: the knee where queueing (TTFT) or batch growth (TPOT)
+# takes over. Throughput alone cannot tell: with short windows the drain of the last requests
+# weighs more than any backlog, and vLLM admits up to max_num_seqs requests before it queues.
+LATENCY_KNEE = 4.0
 ROW_KEYS = ("model", "mode", "workload", "rate", "requests", "completed", "failed", "ttft_ms",
             "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms", "output_tokens_per_s",
             "requests_per_s", "steps")
@@ -66,7 +66,7 @@ def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
 def saturation(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per `<mode>/<workload>`: the lowest rate that saturates the server (None if none of the
-    measured rates did), the highest output tokens/s seen and at which rate."""
+    measured rates did, see LATENCY_KNEE), the highest output tokens/s seen and at which rate."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for row in rows:
         if row.get("completed"):
@@ -74,16 +74,11 @@ def saturation(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for key, group in sorted(groups.items()):
         group = sorted(group, key=lambda r: r["rate"])
-        base_ttft = _stat(group[0], "ttft_ms", "p50")
-        saturated_at = None
-        for prev, cur in zip(group, group[1:]):
-            gained = (cur["output_tokens_per_s"] or 0) / max(prev["output_tokens_per_s"] or 0, 1e-9)
-            offered = cur["rate"] / prev["rate"]
-            ttft = _stat(cur, "ttft_ms", "p50")
-            if (gained - 1) < GROWTH_FLOOR * (offered - 1) or (
-                    base_ttft and ttft and ttft > TTFT_BLOWUP * base_ttft):
-                saturated_at = cur["rate"]
-                break
+        base = {f: _stat(group[0], f, "p50") for f in ("ttft_ms", "tpot_ms")}
+        saturated_at = next(
+            (r["rate"] for r in group[1:]
+             if any(base[f] and (v := _stat(r, f, "p50")) is not None
+                    and v > LATENCY_KNEE * base[f] for f in base)), None)
         best = max(group, key=lambda r: r["output_tokens_per_s"] or 0)
         out[key] = {"saturated_at": saturated_at, "rates": [r["rate"] for r in group],
                     "max_output_tokens_per_s": best["output_tokens_per_s"],
@@ -166,12 +161,14 @@ def render(doc: Mapping[str, Any], path: Path) -> Path | None:
         for row_i, (field, label) in enumerate((("ttft_ms", "TTFT p50 (ms)"),
                                                 ("tpot_ms", "TPOT p50 (ms)"))):
             ax = axes[row_i][col]
-            for mode in dict.fromkeys(r["mode"] for r in rows):
+            for color, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
                 pts = sorted((r["rate"], _stat(r, field, "p50")) for r in rows
                              if r["mode"] == mode and r["workload"] == workload
                              and _stat(r, field, "p50") is not None)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode,
+                            color=f"C{color}")
+            ax.set_yscale("log")  # a saturated mode's latency is 10-100x the others'
             ax.set_xlabel("offered rate (req/s)")
             ax.set_ylabel(label)
             ax.set_title(f"{doc['model']} / {workload}")

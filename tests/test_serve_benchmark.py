@@ -166,14 +166,17 @@ def test_ratio_keys_and_direction():
                                                 "otps_plugin_over_stock_triton"}
 
 
-def test_saturation_finds_where_throughput_stops_growing():
-    rows = [_row("stock", 4, 30, 2, 800), _row("stock", 16, 35, 2, 3100),
-            _row("stock", 32, 60, 3, 4000), _row("stock", 64, 900, 5, 4100),
-            _row("plugin", 4, 30, 2, 800), _row("plugin", 8, 200, 2, 1600)]
+def test_saturation_is_the_latency_knee():
+    rows = [_row("stock", 4, 30, 2, 800), _row("stock", 16, 35, 3, 3100),
+            _row("stock", 32, 60, 8.5, 4000), _row("stock", 64, 900, 20, 4100),
+            _row("plugin", 4, 30, 2, 800), _row("plugin", 8, 121, 2, 1600),
+            _row("stock_triton", 4, 30, 2, 800), _row("stock_triton", 8, 119, 7.9, 1600)]
     sat = serve_report.saturation(rows)
-    assert sat["stock/chat"]["saturated_at"] == 32  # 2x offered, 1.29x served
+    assert sat["stock/chat"]["saturated_at"] == 32  # TPOT p50 past 4x the lowest rate's
     assert sat["stock/chat"]["max_output_tokens_per_s"] == 4100
-    assert sat["plugin/chat"]["saturated_at"] == 8  # TTFT p50 past 5x the lowest rate's
+    assert sat["stock/chat"]["at_rate"] == 64
+    assert sat["plugin/chat"]["saturated_at"] == 8  # TTFT p50 past 4x
+    assert sat["stock_triton/chat"]["saturated_at"] is None  # both just under 4x
 
 
 def test_result_schema_and_table():
