@@ -28,8 +28,8 @@ from typing import Any
 from benchmarks import serve_report as report
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
-from benchmarks.serve_server import SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
-    step_shares
+from benchmarks.serve_server import OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, \
+    log_facts, parse_modes, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
 
@@ -124,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
                     help="longest wait for a server's /health (default: 600)")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="stop starting windows that would not end within this many seconds "
-                    "(default: no limit); split evenly over the modes left")
+                    "(default: no limit); shared by the modes left, weighted by their expected "
+                    "cost (start-up estimate, warm-ups, windows)")
     ap.add_argument("--name", default=None, help="result name (default: serve-<model>)")
     ap.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--log-dir", type=Path, default=None,
@@ -202,6 +203,18 @@ def _say(t0: float, text: str) -> None:
 def _window_s(args: argparse.Namespace, rate: float) -> float:
     """Rough wall time of one window (arrivals, then a few seconds of drain)."""
     return max(args.duration_s, args.min_requests / rate) + 8.0
+
+
+def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
+    """Rough wall time of one mode: each server's start-up, warm-ups and windows. Shares of
+    --time-budget-s are weighted by it."""
+    cost = 0.0
+    for server in plan.servers():
+        cost += mode.ready_estimate_s + (OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0)
+        for w, rates in plan.workloads:
+            if w.server == server:
+                cost += args.warmup_s + 8.0 + sum(_window_s(args, r) for r in rates)
+    return cost
 
 
 def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: ProcessPoolExecutor,
@@ -326,9 +339,10 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[str] = []
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.clients, mp_context=ctx) as pool:
+        costs = [mode_cost_s(plan, m, args) for m in plan.modes]
         for i, mode in enumerate(plan.modes):
             share = None if deadline is None else time.monotonic() + (
-                deadline - time.monotonic()) / (len(plan.modes) - i)
+                deadline - time.monotonic()) * costs[i] / sum(costs[i:])
             mode_rows, facts, mode_skipped = run_mode(plan, mode, args, pool, t0, share)
             rows += mode_rows
             skipped += mode_skipped

@@ -261,3 +261,15 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
         k.startswith("ttft_p50_stock_over_plugin/") for k in doc["ratios"])
     assert set(doc["saturation"]) == {"plugin/chat", "stock/chat"}
     assert "ratios (stock time / plugin time" in proc.stdout
+
+
+def test_time_budget_weights_modes_by_their_cost(tmp_path):
+    args = serve.parser().parse_args(["--model", "qwen3-30b-a3b", "--rates", "chat:4,8",
+                                      "--rates", "long:1", "--rates", "moe_offload:2",
+                                      "--log-dir", str(tmp_path)])
+    plan = serve.Plan(args)
+    plugin, stock = (serve.mode_cost_s(plan, serve.SERVE_MODES[m], args)
+                     for m in ("plugin", "stock"))
+    windows = 3 * (args.warmup_s + 8) + sum(serve._window_s(args, r) for r in (4, 8, 1, 2))
+    assert plugin == pytest.approx(2 * 60 + serve.OFFLOAD_READY_EXTRA_S + windows)
+    assert stock - plugin == pytest.approx(2 * 40)
