@@ -1,9 +1,10 @@
 """The modes compared by `benchmarks.decode`, and the `vllm.LLM` keyword arguments of each.
 
 Every mode shares the same engine settings (`common_llm_kwargs`): dummy weights, no tokenizer,
-TRITON_ATTN, one max_num_seqs and max_model_len, no prefix caching, one seed. A mode only adds
-what makes it that mode. Stock modes run with `VLLM_PLUGINS=` (empty), so no installed plugin,
-ours included, touches them.
+one max_num_seqs and max_model_len, no prefix caching, one seed. A mode only adds what makes it
+that mode. Stock modes run with `VLLM_PLUGINS=` (empty), so no installed plugin, ours included,
+touches them, and with vLLM's own choice of attention backend (FLASH_ATTN, FlashAttention 3, on
+the H200), as every user's vLLM runs; the `_triton` stock modes name TRITON_ATTN instead.
 
 Plugin modes are enabled by the plugin package itself: they are available once
 `vllm_moe_graphs` exposes `benchmark_llm_kwargs(mode: str) -> dict` (the feature flag: it
@@ -23,7 +24,7 @@ from typing import Any
 
 PLUGIN_PACKAGE = "vllm_moe_graphs"
 PLUGIN_HOOK = "benchmark_llm_kwargs"
-ATTENTION_BACKEND = "TRITON_ATTN"  # FlashAttention is not in the GPU bundle
+TRITON = {"attention_config": {"backend": "TRITON_ATTN"}}
 
 
 class Family(str, enum.Enum):
@@ -125,6 +126,23 @@ MODES: dict[str, Mode] = {
             True,
             "no torch.compile (compilation mode NONE) + cudagraph_mode FULL_DECODE_ONLY",
             {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"}},
+            startup_estimate_s=35.0,
+        ),
+        Mode(
+            "stock_graphs_triton",
+            Family.STOCK,
+            True,
+            "stock_graphs with TRITON_ATTN (vLLM's Triton attention backend)",
+            {**TRITON},
+            startup_estimate_s=90.0,
+        ),
+        Mode(
+            "stock_full_decode_nc_triton",
+            Family.STOCK,
+            True,
+            "stock_full_decode_nc with TRITON_ATTN (vLLM's Triton attention backend)",
+            {"compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"},
+             **TRITON},
             startup_estimate_s=35.0,
         ),
         Mode(
@@ -236,7 +254,6 @@ def common_llm_kwargs(
         "max_model_len": max_model_len,
         "enable_prefix_caching": False,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "attention_config": {"backend": ATTENTION_BACKEND},
     }
 
 

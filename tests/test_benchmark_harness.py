@@ -127,8 +127,11 @@ def test_dry_run_plan(tmp_path: Path) -> None:
         assert kw["max_num_seqs"] == 8 and kw["load_format"] == "dummy"
         assert kw["skip_tokenizer_init"] is True and kw["enable_prefix_caching"] is False
         assert kw["gpu_memory_utilization"] == 0.85 and kw["seed"] == 0
-        if MODES[w["mode"]].family is Family.STOCK:
-            assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
+        if MODES[w["mode"]].family is Family.STOCK:  # vLLM's own backend, or TRITON_ATTN
+            if w["mode"].endswith("_triton"):
+                assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
+            else:
+                assert "attention_config" not in kw
             assert w["env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
         else:  # the plugin loads through its entry point and brings its own backend
             assert kw["attention_config"] == {"backend": "CUSTOM"}
@@ -146,6 +149,9 @@ def test_dry_run_plan(tmp_path: Path) -> None:
         "mode": "NONE",
         "cudagraph_mode": "FULL_DECODE_ONLY",
     }
+    assert by_mode["stock_full_decode_nc_triton"]["compilation_config"] == by_mode[
+        "stock_full_decode_nc"]["compilation_config"]
+    assert "compilation_config" not in by_mode["stock_graphs_triton"]
 
 
 def test_plugin_modes_come_from_the_plugin_hook() -> None:
@@ -599,7 +605,8 @@ def test_stock_kwargs_accepted_by_vllm_engine_args(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     assert [x["mode"] for x in lines] == [s.mode for s in specs] + ["misspelt"]
     for checked in lines[:-1]:
-        assert checked["attention_backend"] == "TRITON_ATTN" and checked["load_format"] == "dummy"
+        backend = "TRITON_ATTN" if checked["mode"].endswith("_triton") else "None"
+        assert checked["attention_backend"] == backend and checked["load_format"] == "dummy"
         assert checked["enable_prefix_caching"] is False and checked["max_num_seqs"] == 64
     by_mode = {x["mode"]: x for x in lines}
     assert by_mode["stock_eager"]["enforce_eager"] is True
