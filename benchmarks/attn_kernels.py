@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Decode attention micro-benchmark: vllm_moe_graphs' paged decode kernel vs vLLM 0.26 TRITON_ATTN.
+"""Decode attention micro-benchmark: vllm_moe_graphs' paged decode kernel vs vLLM 0.26's
+TRITON_ATTN and FLASH_ATTN (FlashAttention 3, the H200's default backend).
 
-Both kernels read the same vLLM 0.26 KV cache (logical [NB, Hkv, BS, 2D], physically NHD, the
-views TRITON_ATTN takes with `kv_cache.transpose(1, 2).split(D, -1)`) through the same block
-table, for every (model, batch, context): all sequences hold exactly `context` tokens in
+All kernels read the same vLLM 0.26 KV cache (logical [NB, Hkv, BS, 2D], physically NHD, the
+views both vLLM backends take with `kv_cache.transpose(1, 2).split(D, -1)`) through the same
+block table, for every (model, batch, context): all sequences hold exactly `context` tokens in
 randomly scattered pages. vLLM's `unified_attention` is called exactly as
 `TritonAttentionImpl.forward` does for a decode batch (cu_seqlens_q = arange, max_seqlen_q 1,
 unit k/v descales, the 3D softmax-segment buffers and the seq_threshold_3D that the metadata
-builder derives with CUDA graphs on).
+builder derives with CUDA graphs on). FA3's `flash_attn_varlen_func` is called as
+`FlashAttentionImpl.forward` does under full CUDA graphs: the ahead-of-time scheduler metadata
+(`get_scheduler_metadata`, built outside the graph like the metadata builder does) and
+`num_splits` = `flash_attn_max_num_splits_for_cuda_graph`. Where FA3 is not importable (no
+vLLM FlashAttention build) its columns are left empty with the reason.
 
 Timing: each kernel is launched `--graph-launches` times inside one CUDA graph, the graph is
 replayed and CUDA events give the time per launch. Small caches would stay in L2 across
@@ -17,8 +22,9 @@ launches, so launches rotate over enough copies of the cache to stream >= 3x L2 
 device-to-device copy.
 
 Output: a table on stdout and a JSON file (`--out`) with `rows`, `ratios` keyed
-`attn_vllm_triton_attn_over_plugin/<model>/b<batch>/c<context>` (vLLM time / our time, > 1 means
-ours is faster) and `pct_hbm` per row; with `--sweep`, also every tried kernel config per shape
+`attn_vllm_triton_attn_over_plugin/<model>/b<batch>/c<context>` and
+`attn_vllm_flash_attn_over_plugin/...` (vLLM time / our time, > 1 means ours is faster) and
+`pct_hbm` per row; with `--sweep`, also every tried kernel config per shape
 and the best one. Exit status 1 if any shape disagrees numerically, 2 without CUDA.
 """
 
@@ -273,6 +279,56 @@ class VllmTritonAttn:
         )
 
 
+class VllmFlashAttn:
+    """vLLM 0.26 FA3 `flash_attn_varlen_func` called the way FlashAttentionImpl.forward calls it
+    for a decode batch under full CUDA graphs."""
+
+    def __init__(self, torch, case: Case, block_size: int, dtype):
+        from vllm.config.attention import AttentionConfig
+        from vllm.v1.attention.backends.fa_utils import (
+            flash_attn_varlen_func,
+            get_scheduler_metadata,
+        )
+
+        shape = case.shape
+        self.fn, self.case = flash_attn_varlen_func, case
+        self.num_splits = AttentionConfig().flash_attn_max_num_splits_for_cuda_graph
+        self.scheduler_metadata = get_scheduler_metadata(
+            batch_size=case.batch, max_seqlen_q=1, max_seqlen_k=case.context,
+            num_heads_q=shape.num_q_heads, num_heads_kv=shape.num_kv_heads,
+            headdim=shape.head_size, cache_seqlens=case.seq_lens, qkv_dtype=dtype,
+            cu_seqlens_q=case.cu_seqlens_q, page_size=block_size, causal=True,
+            window_size=(-1, -1), num_splits=self.num_splits)
+        unit = torch.tensor(1.0, dtype=torch.float32, device=DEVICE)  # layer._k_scale
+        self.k_descale = unit.expand((case.batch, shape.num_kv_heads))
+        self.v_descale = unit.expand((case.batch, shape.num_kv_heads))
+
+    def __call__(self, copy: int, out) -> None:
+        c = self.case
+        key_cache, value_cache = c.views[copy]
+        self.fn(
+            q=c.query, k=key_cache, v=value_cache, out=out, cu_seqlens_q=c.cu_seqlens_q,
+            max_seqlen_q=1, seqused_k=c.seq_lens, max_seqlen_k=c.context, softmax_scale=c.scale,
+            causal=True, alibi_slopes=None, window_size=[-1, -1], block_table=c.block_table,
+            softcap=0, scheduler_metadata=self.scheduler_metadata, fa_version=3,
+            q_descale=None, k_descale=self.k_descale, v_descale=self.v_descale,
+            num_splits=self.num_splits,
+        )
+
+
+def flash_attn_problem() -> str | None:
+    """Why vLLM's FA3 cannot be benchmarked here, or None."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason
+
+        if not is_flash_attn_varlen_func_available():
+            return "vLLM's flash_attn_varlen_func is not available"
+        return fa_version_unsupported_reason(3)
+    except Exception as exc:  # noqa: BLE001 - any import failure means no FA3 here
+        return f"{type(exc).__name__}: {exc}"
+
+
 class Ours:
     def __init__(self, torch, case: Case, num_splits: int, config, workspace):
         from vllm_moe_graphs.ops import paged_decode_attention
@@ -285,6 +341,10 @@ class Ours:
         key_cache, value_cache = c.views[copy]
         self.fn(out, c.query, key_cache, value_cache, c.block_table, c.seq_lens, c.scale,
                 num_splits=self.num_splits, workspace=self.workspace, config=self.config)
+
+
+def _max_diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
 
 
 # ----------------------------------------------------------------------------- main
@@ -304,6 +364,9 @@ def run(args: argparse.Namespace) -> int:
         num_stages=args.num_stages or pd.DEFAULT_NUM_STAGES,
     )
     rows, sweeps, ratios, pct_hbm, failures = [], [], {}, {}, []
+    fa3_problem = flash_attn_problem()
+    if fa3_problem:
+        print(f"# FLASH_ATTN (FA3) not measured: {fa3_problem}", flush=True)
 
     for model, batch, context in itertools.product(args.models, args.batches, args.contexts):
         shape = MODELS[model]
@@ -325,23 +388,34 @@ def run(args: argparse.Namespace) -> int:
                                                  max(split_values), DEVICE)
         vllm = VllmTritonAttn(torch, case)
         ours = Ours(torch, case, split_values[0], default_cfg, workspace)
+        fa3 = None if fa3_problem else VllmFlashAttn(torch, case, args.block_size, dtype)
 
-        # numerics first: both kernels on copy 0, compared with each other
+        # numerics first: every kernel on copy 0, compared with ours
         vllm(0, case.out_vllm)
         ours(0, case.out_ours)
         torch.cuda.synchronize()
-        diff = (case.out_ours.float() - case.out_vllm.float()).abs().max().item()
+        diff = _max_diff(case.out_ours, case.out_vllm)
         agree = bool(torch.isfinite(case.out_ours).all()) and torch.allclose(
             case.out_ours.float(), case.out_vllm.float(), atol=args.atol, rtol=args.rtol)
+        fa3_diff = None
+        if fa3 is not None:
+            out_fa3 = torch.empty_like(case.out_ours)
+            fa3(0, out_fa3)
+            torch.cuda.synchronize()
+            fa3_diff = _max_diff(case.out_ours, out_fa3)
+            agree = agree and torch.allclose(case.out_ours.float(), out_fa3.float(),
+                                             atol=args.atol, rtol=args.rtol)
         if not agree:
             failures.append(key)
-            print(f"# MISMATCH {key}: max |ours - vllm| = {diff:.3e}", flush=True)
+            print(f"# MISMATCH {key}: max |ours - TRITON_ATTN| = {diff:.3e}, "
+                  f"|ours - FA3| = {fa3_diff}", flush=True)
 
         def fns(kernel, out):
             return [lambda i=i: kernel(i, out) for i in range(copies)]
 
         vllm_us = _time_graph(torch, fns(vllm, case.out_vllm), *timing)
         ours_us = _time_graph(torch, fns(ours, case.out_ours), *timing)
+        fa3_us = None if fa3 is None else _time_graph(torch, fns(fa3, out_fa3), *timing)
         floor_us = case.io_bytes() / bandwidth * 1e6
         row = dict(model=model, batch=batch, context=context, dtype=args.dtype,
                    block_size=args.block_size, num_splits=split_values[0], **asdict(default_cfg),
@@ -349,13 +423,18 @@ def run(args: argparse.Namespace) -> int:
                    hbm_floor_us=floor_us, pct_hbm=100 * floor_us / ours_us,
                    vllm_pct_hbm=100 * floor_us / vllm_us, kv_bytes=case.kv_bytes(),
                    cache_copies=copies, graph_launches=timing[0], max_abs_diff=diff,
-                   agree=agree)
+                   fa3_us=fa3_us, fa3_ratio=None if fa3_us is None else fa3_us / ours_us,
+                   fa3_pct_hbm=None if fa3_us is None else 100 * floor_us / fa3_us,
+                   fa3_max_abs_diff=fa3_diff, agree=agree)
         rows.append(row)
         ratios[f"attn_vllm_triton_attn_over_plugin/{key}"] = row["ratio"]
+        if fa3_us is not None:
+            ratios[f"attn_vllm_flash_attn_over_plugin/{key}"] = row["fa3_ratio"]
         pct_hbm[key] = row["pct_hbm"]
+        fa3_text = "" if fa3_us is None else f"  fa3 {fa3_us:9.2f} us ({row['fa3_ratio']:5.2f})"
         print(f"{model:>14} b{batch:<4} c{context:<6} splits {split_values[0]:>2}  "
-              f"ours {ours_us:9.2f} us  vllm {vllm_us:9.2f} us  ratio {row['ratio']:5.2f}  "
-              f"hbm {row['pct_hbm']:5.1f}% (vllm {row['vllm_pct_hbm']:5.1f}%)  "
+              f"ours {ours_us:9.2f} us  triton {vllm_us:9.2f} us ({row['ratio']:5.2f}){fa3_text}"
+              f"  hbm {row['pct_hbm']:5.1f}% (triton {row['vllm_pct_hbm']:5.1f}%)  "
               f"diff {diff:.1e}{'' if agree else '  MISMATCH'}", flush=True)
 
         if args.sweep:
@@ -381,14 +460,14 @@ def run(args: argparse.Namespace) -> int:
                       f" stages {best['num_stages']} splits {best['num_splits']}: "
                       f"{best['us']:.2f} us, ratio {best['ratio']:.2f}, "
                       f"hbm {best['pct_hbm']:.1f}%", flush=True)
-        del case, vllm, ours, workspace
+        del case, vllm, ours, fa3, workspace
         torch.cuda.empty_cache()
 
     result = dict(
         device=torch.cuda.get_device_name(0), num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         default_config=asdict(default_cfg), rows=rows, ratios=ratios, pct_hbm=pct_hbm,
-        mismatches=failures,
+        mismatches=failures, flash_attn_problem=fa3_problem,
     )
     if args.sweep:
         result["sweep"] = sweeps

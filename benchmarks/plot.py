@@ -107,8 +107,9 @@ def render(doc: dict[str, Any], path: Path) -> Path | None:
 
 
 def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
-    """PNG of a `benchmarks.attn_kernels` JSON: per model, TRITON_ATTN time / ours vs context (a
-    line per batch; above 1 = ours faster) and ours as % of the HBM floor (the copy bandwidth)."""
+    """PNG of a `benchmarks.attn_kernels` JSON: per model, TRITON_ATTN time / ours and FA3 time /
+    ours (dashed) vs context (a line per batch; above 1 = ours faster) and ours as % of the HBM
+    floor (the copy bandwidth)."""
     rows = doc.get("rows", [])
     plt = _pyplot(rows, path, "python -m benchmarks.plot attn")
     if plt is None:
@@ -126,12 +127,17 @@ def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
                 continue
             ctx, ratio, ours, theirs = zip(*pts)
             axes[0][col].plot(ctx, ratio, marker="o", color=colors[batch], label=f"b{batch}")
+            fa3 = sorted((r["context"], r["fa3_ratio"]) for r in rows if r["model"] == model
+                         and r["batch"] == batch and r.get("fa3_ratio") is not None)
+            if fa3:
+                axes[0][col].plot(*zip(*fa3), marker="s", linestyle="--", color=colors[batch],
+                                  label=f"FA3 b{batch}")
             axes[1][col].plot(ctx, ours, marker="o", color=colors[batch], label=f"ours b{batch}")
             axes[1][col].plot(ctx, theirs, marker="x", linestyle=":", color=colors[batch],
                               label=f"TRITON_ATTN b{batch}")
         axes[0][col].axhline(1.0, color="0.3", linewidth=1)
         axes[0][col].axhline(1.25, color="0.6", linewidth=1, linestyle="--")
-        axes[0][col].set_ylabel("TRITON_ATTN us / ours us")
+        axes[0][col].set_ylabel("vLLM us / ours us (TRITON_ATTN solid, FA3 dashed)")
         axes[1][col].axhline(70, color="0.6", linewidth=1, linestyle="--")
         axes[1][col].set_ylabel("% of HBM floor (copy bandwidth)")
         for row in (0, 1):
@@ -144,7 +150,7 @@ def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
             ax.set_xlabel("context")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
-    return _save(plt, fig, f"decode attention vs TRITON_ATTN: {doc.get('device', '')}", path)
+    return _save(plt, fig, f"decode attention vs vLLM: {doc.get('device', '')}", path)
 
 
 def main(argv: list[str] | None = None) -> int:
