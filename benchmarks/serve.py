@@ -261,7 +261,12 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                     if not server.alive():
                         skipped.append(f"{where}: server exited")
                         continue
-                    rows.append(_measure(plan, mode, w, rate, server, pool, args))
+                    try:
+                        rows.append(_measure(plan, mode, w, rate, server, pool, args))
+                    except Exception as exc:  # noqa: BLE001 - a broken window, not the run
+                        skipped.append(f"{where}: {type(exc).__name__}: {exc}")
+                        _say(t0, f"{where}: FAILED: {type(exc).__name__}: {exc}")
+                        continue
                     _say(t0, _progress(rows[-1]))
         except RuntimeError as exc:
             info["error"] = str(exc).splitlines()[0]
@@ -298,31 +303,6 @@ def _progress(r: dict[str, Any]) -> str:
     return text
 
 
-def assemble(name: str, model: str, env: dict[str, Any], plan_workloads: list[Any],
-             modes: dict[str, Any], rows: list[dict[str, Any]], skipped: list[str]) -> dict:
-    doc = {
-        "schema": report.SCHEMA, "name": name, "env": env, "model": model, "modes": modes,
-        "workloads": {w.name: {"prompt_len": list(w.prompt_len), "output_len": list(w.output_len),
-                               "description": w.description, "rates": rates}
-                      for w, rates in plan_workloads},
-        "rows": rows, "ratios": report.compute_ratios(rows),
-        "saturation": report.saturation(rows), "skipped": skipped,
-    }
-    report.check_schema(doc)
-    return doc
-
-
-def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{doc['name']}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {path}", flush=True)
-    if not no_plot and (png := report.render(doc, path.with_suffix(".png"))):
-        print(f"wrote {png}", flush=True)
-    print(report.format_table(doc), flush=True)
-    return 0 if doc["rows"] else EXIT_NO_ROWS
-
-
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     plan = Plan(args)
@@ -337,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     modes: dict[str, Any] = {}
     skipped: list[str] = []
+    env = environment(args, [], {plan.model: plan.layers}, [])
+    workloads = report.workloads_section(plan.workloads)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.clients, mp_context=ctx) as pool:
         costs = [mode_cost_s(plan, m, args) for m in plan.modes]
@@ -347,34 +329,11 @@ def run(args: argparse.Namespace) -> int:
             rows += mode_rows
             skipped += mode_skipped
             modes[mode.name] = {"description": mode.description, "servers": facts}
-    env = environment(args, [], {plan.model: plan.layers}, [])
-    doc = assemble(plan.name, plan.model, env, plan.workloads, modes, rows, skipped)
-    return finish(doc, args.results_dir, args.no_plot)
-
-
-def merge(paths: list[str], name: str, results_dir: Path) -> int:
-    """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed."""
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    for p, d in zip(paths, docs):
-        report.check_schema(d)
-        if d["model"] != docs[0]["model"]:
-            raise ValueError(f"{p} is for {d['model']}, {paths[0]} for {docs[0]['model']}")
-    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
-    modes, workloads, skipped = {}, {}, []
-    for d in docs:
-        rows.update({(r["mode"], r["workload"], r["rate"]): r for r in d["rows"]})
-        modes.update(d["modes"])
-        workloads.update(d["workloads"])
-        skipped += d.get("skipped", [])
-    env = {**docs[-1]["env"], "merged_from": [{"file": Path(p).name, "date": d["env"].get("date"),
-                                               "git_commit": d["env"].get("git_commit")}
-                                              for p, d in zip(paths, docs)]}
-    row_list = list(rows.values())
-    doc = {"schema": report.SCHEMA, "name": name, "env": env, "model": docs[0]["model"],
-           "modes": modes, "workloads": workloads, "rows": row_list,
-           "ratios": report.compute_ratios(row_list), "saturation": report.saturation(row_list),
-           "skipped": skipped}
-    return finish(doc, results_dir, False)
+            # after every mode: a run cut short keeps what it measured
+            doc = report.assemble(plan.name, plan.model, env, workloads, modes, rows, skipped)
+            report.write(doc, args.results_dir)
+    doc = report.assemble(plan.name, plan.model, env, workloads, modes, rows, skipped)
+    return report.finish(doc, args.results_dir, args.no_plot)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             mp.add_argument("--name", required=True)
             mp.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
             a = mp.parse_args(argv[1:])
-            return merge(a.files, a.name, a.results_dir)
+            return report.merge(a.files, a.name, a.results_dir)
         if argv[:1] == ["--plot"] and len(argv) == 2:
             doc = json.loads(Path(argv[1]).read_text())
             report.check_schema(doc)

@@ -9,13 +9,15 @@ more).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load import rate_label
+from benchmarks.load import Workload, rate_label
 
 SCHEMA = "vllm_moe_graphs.serve_bench/1"
+EXIT_NO_ROWS = 1
 PLUGIN = "plugin"
 RATIO_METRICS = {  # ratio metric -> (row field, statistic)
     "ttft_p50": ("ttft_ms", "p50"),
@@ -180,3 +182,58 @@ def render(doc: Mapping[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def workloads_section(plan_workloads: Iterable[tuple[Workload, list[float]]]) -> dict:
+    return {w.name: {"prompt_len": list(w.prompt_len), "output_len": list(w.output_len),
+                     "description": w.description, "rates": rates}
+            for w, rates in plan_workloads}
+
+
+def assemble(name: str, model: str, env: dict[str, Any], workloads: dict[str, Any],
+             modes: dict[str, Any], rows: list[dict[str, Any]], skipped: list[str]) -> dict:
+    """The result document; ratios and saturation are computed from the rows."""
+    doc = {"schema": SCHEMA, "name": name, "env": env, "model": model, "modes": modes,
+           "workloads": workloads, "rows": rows, "ratios": compute_ratios(rows),
+           "saturation": saturation(rows), "skipped": skipped}
+    check_schema(doc)
+    return doc
+
+
+def write(doc: dict[str, Any], results_dir: Path) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{doc['name']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
+    path = write(doc, results_dir)
+    print(f"wrote {path}", flush=True)
+    if not no_plot and (png := render(doc, path.with_suffix(".png"))):
+        print(f"wrote {png}", flush=True)
+    print(format_table(doc), flush=True)
+    return 0 if doc["rows"] else EXIT_NO_ROWS
+
+
+def merge(paths: list[str], name: str, results_dir: Path) -> int:
+    """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    for p, d in zip(paths, docs):
+        check_schema(d)
+        if d["model"] != docs[0]["model"]:
+            raise ValueError(f"{p} is for {d['model']}, {paths[0]} for {docs[0]['model']}")
+    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
+    modes, workloads, skipped = {}, {}, []
+    for d in docs:
+        rows.update({(r["mode"], r["workload"], r["rate"]): r for r in d["rows"]})
+        modes.update(d["modes"])
+        workloads.update(d["workloads"])
+        skipped += d.get("skipped", [])
+    env = {**docs[-1]["env"], "merged_from": [{"file": Path(p).name, "date": d["env"].get("date"),
+                                               "git_commit": d["env"].get("git_commit")}
+                                              for p, d in zip(paths, docs)]}
+    doc = assemble(name, docs[0]["model"], env, workloads, modes, list(rows.values()), skipped)
+    return finish(doc, results_dir, False)

@@ -81,7 +81,7 @@ def log_facts(log_text: str) -> dict[str, str | None]:
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -97,7 +97,7 @@ class Server:
 
     def __init__(self, model_dir: Path, args: Sequence[str], env: Mapping[str, str],
                  log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
                         str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *args]

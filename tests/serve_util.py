@@ -6,23 +6,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
+from benchmarks.serve_server import free_port
+from benchmarks.serve_server import http_get as get
 
 
 def post_json(url: str, body: dict, timeout: float = 60) -> dict:

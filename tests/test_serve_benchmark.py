@@ -181,8 +181,10 @@ def test_saturation_is_the_latency_knee():
 
 def test_result_schema_and_table():
     rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0)]
-    doc = serve.assemble("n", "m", {"gpu_name": "x"}, [(WORKLOADS["chat"], [16])],
-                         {"plugin": {}, "stock": {}}, rows, [])
+    doc = serve_report.assemble("n", "m", {"gpu_name": "x"},
+                                serve_report.workloads_section([(WORKLOADS["chat"], [16])]),
+                                {"plugin": {}, "stock": {}}, rows, [])
+    assert doc["workloads"]["chat"]["prompt_len"] == [128, 1024]
     serve_report.check_schema(doc)
     assert json.loads(json.dumps(doc)) == doc
     table = serve_report.format_table(doc)
