@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import math
 import random
@@ -37,6 +38,7 @@ from benchmarks.report import percentile
 LAG_P99_LIMIT_MS = 10.0  # client send lag above this at p99 marks a window's client as lagging
 TOKEN_ID_FLOOR = 1000  # prompt ids start here: clear of the special tokens at the vocab's start
 START_LEAD_S = 0.5  # the window starts this long after the clients were handed their requests
+SPIN_S = 0.003  # a request's last wait before its send time is a yielding spin, not a timer
 _USAGE_RE = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
@@ -130,7 +132,13 @@ def _body(model: str, req: Request) -> bytes:
 
 
 async def _one(session: Any, url: str, body: bytes, t0: float, rec: Record) -> None:
-    await asyncio.sleep(max(0.0, t0 + rec.scheduled_s - time.monotonic()))
+    # Sleep to SPIN_S before the send time, then yield in a loop until it: a timer wake-up
+    # from an idle loop (and an idle core) lands milliseconds late, a yielding spin does not.
+    target = t0 + rec.scheduled_s
+    if (delay := target - time.monotonic()) > SPIN_S:
+        await asyncio.sleep(delay - SPIN_S)
+    while time.monotonic() < target:
+        await asyncio.sleep(0)
     rec.sent_s = time.monotonic() - t0
     try:
         async with session.post(url, data=body,
@@ -182,13 +190,17 @@ async def _client(base_url: str, model: str, requests: list[Request], t0: float,
 
 def client_process(base_url: str, model: str, requests: list[Request], t0: float,
                    deadline: float) -> list[Record]:
-    """One client process' share of a window (runs in a pool worker)."""
+    """One client process' share of a window (runs in a pool worker). The cyclic GC is off
+    during the window: a collection over the prompts' token ids pauses the loop for ms."""
+    gc.disable()
     try:
-        import uvloop
-
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(_client(base_url, model, requests, t0, deadline))
         return uvloop.run(_client(base_url, model, requests, t0, deadline))
-    except ImportError:
-        return asyncio.run(_client(base_url, model, requests, t0, deadline))
+    finally:
+        gc.enable()
 
 
 def run_window(pool: ProcessPoolExecutor, clients: int, base_url: str, model: str,
