@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -109,10 +110,30 @@ def test_console_script_and_demo_without_gpu():
     """The installed console script; the demo on a CPU machine says so and shows doctor."""
     proc = subprocess.run([sys.executable, "-m", "vllm_moe_graphs.cli.main", "demo"],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == 3, proc.stderr[-2000:]  # documented; 2 is bad input
     assert "no CUDA GPU" in proc.stdout
     assert "no_cuda" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_doctor_report_on_stdout_and_vllm_log_on_stderr():
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_moe_graphs.cli.main", "doctor",
+                           "qwen3-0.6b"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == doctor.EXIT_NOT_ELIGIBLE, proc.stderr[-2000:]
+    assert proc.stdout.startswith("moe-graphs doctor (vllm_moe_graphs"), proc.stdout[:500]
+    assert not [ln for ln in proc.stdout.splitlines() if ln.startswith(("INFO", "WARNING"))]
+    assert "registered in process" in proc.stderr  # vLLM's logger (and ours through it)
+
+
+def test_doctor_help_answers_without_importing_vllm():
+    code = ("import sys\nfrom vllm_moe_graphs.cli.main import main\ntry:\n"
+            "    main(['doctor', '--help'])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('EXIT', code, 'vllm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "MODEL_OR_CONFIG_DIR" in proc.stdout
+    assert proc.stdout.strip().endswith("EXIT 0 False"), proc.stdout[-500:] + proc.stderr[-2000:]
 
 
 def test_demo_rejects_bad_numbers(capsys):

@@ -97,6 +97,17 @@ def select_vllm_v1_runner() -> None:
     os.environ[VLLM_RUNNER_VARIABLE] = "0"
 
 
+# vLLM's own variable, set by the `moe-graphs` command line only: vLLM logs to stdout by default,
+# where its INFO lines would interleave with the command's report.
+VLLM_LOGGING_VARIABLE = "VLLM_LOGGING_STREAM"
+
+
+def send_vllm_logging_to_stderr() -> None:
+    """Export VLLM_LOGGING_STREAM=ext://sys.stderr unless the user chose a stream; call before
+    vLLM is imported."""
+    os.environ.setdefault(VLLM_LOGGING_VARIABLE, "ext://sys.stderr")
+
+
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()

@@ -15,7 +15,7 @@ import time
 
 from vllm_moe_graphs.model_configs import SHAPES, shape_dir
 
-EXIT_OK, EXIT_NO_GPU = 0, 2
+EXIT_OK, EXIT_NO_GPU = 0, 3  # 2 is argparse's bad input
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,14 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
-    """Parse `MODEL [engine args]`; return (model, report, flags doctor did not read)."""
+    """Parse `MODEL [engine args]`; return (model, report, flags doctor did not read). The
+    arguments are parsed before vLLM is imported, so `--help` and usage errors answer at once."""
+    args, unread = build_parser().parse_known_args(argv)
+
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
     from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
 
-    args, unread = build_parser().parse_known_args(argv)
     model = resolve_model(args.model_or_config_dir)
     hf = read_hf_config(model)
     kwargs = {k: v for k, v in vars(args).items() if k != "model_or_config_dir" and v is not None}
@@ -76,13 +78,13 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    from vllm_moe_graphs.integration.signatures import vllm_version
-
     try:
         model, report, unread = report_for(argv)
     except ValueError as exc:
         print(f"moe-graphs doctor: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from vllm_moe_graphs.integration.signatures import vllm_version
+
     print(f"moe-graphs doctor (vllm_moe_graphs {__version__}, vLLM {vllm_version()})")
     print(f"model: {model}")
     if unread:

@@ -11,8 +11,10 @@ USAGE = """usage: moe-graphs {doctor,demo} ...
         exit 0 when eligible, 1 when not, 2 on bad input
   demo [--model SHAPE] [--batch N] ...
         run a shipped Qwen3 model shape (dummy weights) through real vLLM with the plugin
-        and print what happened (needs a CUDA GPU; without one it shows the doctor report)
+        and print what happened (needs a CUDA GPU; without one it shows the doctor report
+        and exits 3)
 
+Reports go to stdout, vLLM's log lines to stderr (unless VLLM_LOGGING_STREAM is set).
 Run `moe-graphs doctor --help` or `moe-graphs demo --help` for the options."""
 
 
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    from vllm_moe_graphs import envs
+
+    envs.send_vllm_logging_to_stderr()
     if command == "doctor":
         from vllm_moe_graphs.cli.doctor import main as doctor_main
 
