@@ -53,12 +53,12 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend  # noq
 from vllm.v1.attention.backends.utils import set_kv_cache_layout  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
-from vllm_moe_graphs.attention import BACKEND_QUALNAME  # noqa: E402
-from vllm_moe_graphs.attention.backend import (  # noqa: E402
+from vllm_moe_graphs.integration.attention import BACKEND_QUALNAME  # noqa: E402
+from vllm_moe_graphs.integration.attention.backend import (  # noqa: E402
     MoeGraphsAttentionBackend,
     MoeGraphsAttentionImpl,
 )
-from vllm_moe_graphs.attention.metadata import (  # noqa: E402
+from vllm_moe_graphs.integration.attention.metadata import (  # noqa: E402
     INTERPRETER_NUM_SMS,
     MoeGraphsAttentionMetadata,
     MoeGraphsMetadataBuilder,
@@ -428,9 +428,10 @@ def test_registration_is_light():
         path = register_attention_backend()
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
         assert AttentionBackendEnum.CUSTOM.get_path() == path
-        heavy = [m for m in ("vllm_moe_graphs.attention.backend",
-                             "vllm_moe_graphs.attention.metadata", "vllm_moe_graphs.ops",
-                             "vllm.v1.attention.backends.triton_attn") if m in sys.modules]
+        heavy = [m for m in ("vllm_moe_graphs.integration.attention.backend",
+                             "vllm_moe_graphs.integration.attention.metadata",
+                             "vllm_moe_graphs.ops", "vllm.v1.attention.backends.triton_attn")
+                 if m in sys.modules]
         import torch
         print("RESULT", heavy, torch.cuda.is_initialized())
     """)

@@ -132,7 +132,7 @@ def swap_first_kv(model):
 def metadata_copies():
     # Back to the builders' own buffers (per-step copies) instead of reading vLLM's in place,
     # and to vLLM's _prepare_inputs instead of the plugin's DecodeInputs.
-    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
     builders = [g.get_metadata_builder() for groups in runner.attn_groups for g in groups]

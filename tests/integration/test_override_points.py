@@ -246,7 +246,7 @@ def test_a_swapped_layer_tensor_is_seen_by_the_per_step_check():
 def test_bind_lets_our_metadata_builders_read_vllm_buffers_in_place():
     import types
 
-    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
 
     class Recording(MoeGraphsMetadataBuilder):
         def __init__(self) -> None:  # no vLLM config needed: only read_in_place is called

@@ -61,7 +61,7 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
     arguments are parsed before vLLM is imported, so `--help` and usage errors answer at once."""
     args, unread = build_parser().parse_known_args(argv)
 
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm import EngineArgs
 
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.integration.config_facts import facts_from_engine_args

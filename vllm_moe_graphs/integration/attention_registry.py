@@ -8,7 +8,7 @@ a model's attention layers select CUSTOM. The registry is per process, so the pl
 
 from __future__ import annotations
 
-from vllm_moe_graphs.attention import BACKEND_QUALNAME
+from vllm_moe_graphs.integration.attention import BACKEND_QUALNAME
 
 
 def register_attention_backend() -> str:

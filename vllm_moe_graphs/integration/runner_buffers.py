@@ -23,7 +23,7 @@ def kv_tensors(runner: Any, names: Iterable[str]) -> dict[str, torch.Tensor]:
 
 def graph_buffers(runner: Any) -> dict[str, torch.Tensor]:
     """The persistent buffers a decode graph reads (vLLM's inputs and our metadata)."""
-    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
 
     bufs = {"input_ids": runner.input_ids.gpu, "positions": runner.positions,
             "query_start_loc": runner.query_start_loc.gpu, "seq_lens": runner.seq_lens}
@@ -47,7 +47,7 @@ def read_metadata_in_place(runner: Any) -> bool:
     Returns whether a replayed step may skip building attention metadata: every builder is
     ours and reads in place (so a build has no device copy to skip), and nothing else reads the
     metadata of a replayed step (vLLM's routed-experts capture does)."""
-    from vllm_moe_graphs.attention.metadata import MoeGraphsMetadataBuilder
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
 
     own = runner.compilation_config.cudagraph_mode
     if own is not None and own.name != "NONE":

@@ -21,8 +21,8 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
-from vllm_moe_graphs.attention import BACKEND_NAME
-from vllm_moe_graphs.attention.metadata import (
+from vllm_moe_graphs.integration.attention import BACKEND_NAME
+from vllm_moe_graphs.integration.attention.metadata import (
     MoeGraphsAttentionMetadata,
     MoeGraphsMetadataBuilder,
 )

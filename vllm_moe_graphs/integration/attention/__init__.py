@@ -15,7 +15,7 @@ resolves the backend class.
 
 from __future__ import annotations
 
-BACKEND_QUALNAME = "vllm_moe_graphs.attention.backend.MoeGraphsAttentionBackend"
+BACKEND_QUALNAME = "vllm_moe_graphs.integration.attention.backend.MoeGraphsAttentionBackend"
 BACKEND_NAME = "CUSTOM"  # vLLM looks the layer's backend up as AttentionBackendEnum[get_name()]
 
 __all__ = ["BACKEND_NAME", "BACKEND_QUALNAME"]
