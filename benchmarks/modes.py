@@ -189,25 +189,6 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
-            "plugin_graphs_fused_silu",
-            Family.PLUGIN,
-            True,
-            "diagnostic: plugin_graphs with fuse_silu_down_proj on (SiLU * up inside down_proj's "
-            "small-M GEMM), until it is measured and made the default",
-            startup_estimate_s=45.0,
-            diagnostic=True,
-        ),
-        Mode(
-            "plugin_graphs_fused",
-            Family.PLUGIN,
-            True,
-            "diagnostic: plugin_graphs with fuse_silu_down_proj and fuse_residual_norm on (SiLU "
-            "* up inside down_proj, split-K reduce inside the residual add + RMSNorm), until "
-            "they are measured and made the default",
-            startup_estimate_s=45.0,
-            diagnostic=True,
-        ),
-        Mode(
             "plugin_backend_vllm_graphs",
             Family.PLUGIN,
             True,

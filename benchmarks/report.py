@@ -25,8 +25,8 @@ point that has measurements, with "best stock graph mode" = the stock graph mode
 tpot_p50 there:
   1. every other stock mode over the best stock graph mode;
   2. every eager mode (stock_eager, plugin_eager) over every graph mode;
-  3. every stock mode over plugin_graphs (and over plugin_graphs_experimental,
-     plugin_graphs_cublas, plugin_graphs_fused_silu and plugin_graphs_fused), when measured."""
+  3. every stock mode over plugin_graphs (and over plugin_graphs_experimental and
+     plugin_graphs_cublas), when measured."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -146,8 +146,6 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
             put(mode, "plugin_graphs", at, tpot)
             put(mode, "plugin_graphs_experimental", at, tpot)
             put(mode, "plugin_graphs_cublas", at, tpot)
-            put(mode, "plugin_graphs_fused_silu", at, tpot)
-            put(mode, "plugin_graphs_fused", at, tpot)
     return ratios
 
 

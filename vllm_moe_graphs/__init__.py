@@ -14,8 +14,6 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
     "plugin_graphs": {},
     "plugin_graphs_experimental": {"small_m_gemm": True, "fuse_qk_norm_rope": True},
     "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
-    "plugin_graphs_fused_silu": {"fuse_silu_down_proj": True},
-    "plugin_graphs_fused": {"fuse_silu_down_proj": True, "fuse_residual_norm": True},
 }
 
 
@@ -30,9 +28,6 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     `plugin_graphs` with the small-M GEMM on every eligible linear layer (the default, "auto",
     takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
     the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
-    `plugin_graphs_fused_silu` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` on.
-    `plugin_graphs_fused` (diagnostic): `plugin_graphs` with `fuse_silu_down_proj` and
-    `fuse_residual_norm` on.
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

@@ -54,14 +54,6 @@ class PluginConfig:
     # for pure-decode batch buckets up to 64 rows (needs fast_decode_inputs); false: vLLM
     # computes the logits after the forward.
     logits_in_graph: bool = True
-    # Qwen3 MLPs whose down_proj takes the small-M GEMM compute SiLU(gate) * up inside that GEMM
-    # (one launch fewer per layer). Off: no measurable gain on the H200, whose decode steps are
-    # host-bound (docs/serving.md).
-    fuse_silu_down_proj: bool = False
-    # The split-K reduce of o_proj's and down_proj's small-M GEMM inside the residual add +
-    # RMSNorm after them (integration/linear.py, one launch fewer per projection). Off for the
-    # same reason.
-    fuse_residual_norm: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -160,7 +152,5 @@ _PARSERS = {
     "fuse_qk_norm_rope": _bool,
     "fast_decode_inputs": _bool,
     "logits_in_graph": _bool,
-    "fuse_silu_down_proj": _bool,
-    "fuse_residual_norm": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

@@ -66,70 +66,11 @@ for name, method in sorted(methods.items()):
         b = layer(x)
     a = a[0] if isinstance(a, tuple) else a
     b = b[0] if isinstance(b, tuple) else b
-    row["row_independent"] = bool(torch.equal(a[0], b[0]))
+    # bit for bit on the GPU (tests/ops/test_small_m_gemm.py); under the interpreter tl.dot is
+    # numpy's BLAS, whose blocking depends on M, so only rounding may differ here
+    row["row_diff"] = float((a[0] - b[0]).abs().max())
+    row["row_scale"] = float(b[0].abs().max())
     out["layers"][name] = row
-# fuse_silu_down_proj: SiLU * up inside down_proj's GEMM, against the unfused modules
-from vllm_moe_graphs.integration.linear import install_silu_down_proj
-out["silu_fused"] = install_silu_down_proj(model, methods)
-out["silu"] = {}
-for name, mlp in sorted((n, m) for n, m in model.named_modules() if n.endswith(".mlp")):
-    down = methods[name + ".down_proj"]
-    for m in (1, 7, 16, 20):
-        x = torch.randn(m, 64, generator=gen)
-        with torch.no_grad():
-            gate_up, _ = mlp.gate_up_proj(x)
-            ref, _ = mlp.down_proj(mlp.act_fn(gate_up))  # vLLM's activation, then the GEMM
-            before = down.small_m_calls
-            y = mlp(x)
-        out["silu"][f"{name} m{m}"] = {"kernel": down.small_m_calls - before,
-                                       "max_err": float((y - ref).abs().max()),
-                                       "scale": float(ref.abs().max())}
-# fuse_residual_norm: o_proj / down_proj split reduce inside the next residual add + RMSNorm
-from vllm_moe_graphs.integration.linear import install_residual_norm
-layers = model.model.layers
-cases = []  # (name, projection call, consuming norm), reference taken before the install
-for i, layer in enumerate(layers):
-    nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-    cases.append((f"{i}.o_proj", lambda x, a=layer.self_attn: a.o_proj(x)[0],
-                  layer.post_attention_layernorm, layer.self_attn.o_proj.weight.shape[1]))
-    cases.append((f"{i}.mlp", lambda x, mlp=layer.mlp: mlp(x), nxt, 64))
-inputs = {}
-ref = {}
-with torch.no_grad():
-    for name, proj, norm, k in cases:
-        for m in (1, 5, 16, 20):
-            x, res = torch.randn(m, k, generator=gen), torch.randn(m, 64, generator=gen)
-            inputs[name, m] = (x, res)
-            y, r = norm(proj(x).clone(), res.clone())
-            ref[name, m] = (y.clone(), r.clone())
-out["residual_deferred"], out["residual_why"] = install_residual_norm(model, methods)
-handoff = model.moe_graphs_residual_handoff
-out["residual"] = {}
-with torch.no_grad():
-    for name, proj, norm, k in cases:
-        for m in (1, 5, 16, 20):
-            x, res = inputs[name, m]
-            fused_before = handoff.fused
-            h = proj(x)
-            deferred = handoff.pending is not None and handoff.pending[0] is h
-            y, r = norm(h, res.clone())
-            ry, rr = ref[name, m]
-            out["residual"][f"{name} m{m}"] = {
-                "deferred": deferred, "fused": handoff.fused - fused_before,
-                "y_err": float((y - ry).abs().max()), "r_err": float((r - rr).abs().max()),
-                "scale": float(ry.abs().max()), "pending_after": handoff.pending is not None}
-    # a deferred output that reaches something else first is reduced before that runs
-    x, _ = inputs["0.o_proj", 5]
-    h = layers[0].self_attn.o_proj(x)[0]
-    flushed = handoff.flushed
-    layers[1].self_attn.qkv_proj(torch.randn(5, 64, generator=gen))  # a GEMM on the workspace
-    o_ref = torch.nn.functional.linear(x, layers[0].self_attn.o_proj.weight)
-    out["flush_by_gemm"] = {"flushed": handoff.flushed - flushed,
-                            "err": float((h - o_ref).abs().max())}
-    h = layers[0].self_attn.o_proj(x)[0]
-    y, _ = layers[1].post_attention_layernorm(h.clone(), torch.zeros(5, 64))  # not h itself
-    out["flush_by_norm"] = {"flushed": handoff.flushed - flushed - 1,
-                            "err": float((h - o_ref).abs().max())}
 print("RESULT " + json.dumps(out))
 """
 
@@ -155,43 +96,7 @@ def test_decode_rows_take_the_kernel_prefill_rows_vllms_gemm(built) -> None:
             assert row[f"m{m}"]["kernel"] == 1, (name, m, row)
             assert row[f"m{m}"]["max_err"] < 1e-4, (name, m, row)
         assert row["m20"]["kernel"] == 0 and row["m20"]["max_err"] < 1e-4, (name, row)
-        assert row["row_independent"], (name, row)
-
-
-def test_silu_fused_into_down_proj_matches_vllms_activation(built) -> None:
-    assert built["silu_fused"] == 2, built["silu_fused"]  # both layers' MLPs
-    for key, row in built["silu"].items():
-        m = int(key.rsplit("m", 1)[1])
-        # decode rows: one fused GEMM call (the unfused reference made one more); prefill rows:
-        # vLLM's activation and GEMM, bitwise the reference
-        assert row["kernel"] == (1 if m <= 16 else 0), (key, row)
-        assert row["scale"] > 1e-3, (key, row)  # a vacuous all-zero output would pass anything
-        assert row["max_err"] <= (1e-5 * row["scale"] if m <= 16 else 0.0), (key, row)
-
-
-def test_residual_norm_fused_after_o_proj_and_down_proj(built) -> None:
-    assert built["residual_deferred"] == 4, built["residual_why"]  # 2 layers x (o_proj, down)
-    for key, row in built["residual"].items():
-        m = int(key.rsplit("m", 1)[1])
-        decode = m <= 16
-        # decode rows: the projection's reduce is deferred and the norm fuses it; prefill rows:
-        # vLLM's GEMM and vLLM's norm, bitwise the reference
-        assert row["deferred"] == decode and row["fused"] == int(decode), (key, row)
-        assert not row["pending_after"], (key, row)
-        assert row["scale"] > 0.05, (key, row)  # not a vacuous all-zero comparison
-        assert row["y_err"] <= (1e-5 * row["scale"] if decode else 0.0), (key, row)
-        assert row["r_err"] <= (1e-5 if decode else 0.0), (key, row)
-    # a deferred output is reduced before another GEMM overwrites the workspace, and when a
-    # norm receives some other tensor
-    for case in ("flush_by_gemm", "flush_by_norm"):
-        assert built[case]["flushed"] == 1 and built[case]["err"] < 1e-4, (case, built[case])
-
-
-def test_fuse_silu_down_proj_is_off_by_default() -> None:
-    assert PluginConfig().fuse_silu_down_proj is False
-    assert PluginConfig.from_dict({"fuse_silu_down_proj": True}).fuse_silu_down_proj is True
-    assert PluginConfig().fuse_residual_norm is False
-    assert PluginConfig.from_dict({"fuse_residual_norm": True}).fuse_residual_norm is True
+        assert row["row_diff"] <= 1e-6 * max(row["row_scale"], 1.0), (name, row)
 
 
 def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:

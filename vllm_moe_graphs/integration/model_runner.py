@@ -196,8 +196,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
                     f" ({proof.detail})" if proof.detail else "")
         if (c := self.moe_config).enabled and c.small_m_gemm and proof.holds:
             from vllm_moe_graphs.integration.linear import install_small_m_gemm
-            self._mg_linear = install_small_m_gemm(self.get_model(), c.small_m_gemm,
-                                                   c.fuse_silu_down_proj, c.fuse_residual_norm)
+            self._mg_linear = install_small_m_gemm(self.get_model(), c.small_m_gemm)
         if self.moe_config.enabled and self.moe_config.fuse_qk_norm_rope and proof.holds:
             from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
 

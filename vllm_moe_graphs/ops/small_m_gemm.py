@@ -20,11 +20,6 @@ N x K weight at HBM speed, and the tensor cores have nothing to do. Design, per 
   an M = 16 call are bitwise equal (CUDA graph buckets pad M differently; results do not move).
 Graph safety: the launcher reads only shapes, strides, dtypes and host constants; no host sync;
 the only allocation is `out` when the caller passes none; the workspace is the caller's.
-
-`silu_mul=True` (an MLP's down projection): x is the gate_up projection's output [M, 2K] (gate
-in the first K columns, up in the last K) and the kernel multiplies by silu(gate) * up as it
-loads each x tile, as vLLM's SiluAndMul computes it (silu in float32 rounded to x's dtype, times
-up, rounded again), so the activation's own launch and its [M, K] round trip go away.
 """
 
 from __future__ import annotations
@@ -155,7 +150,6 @@ def _small_m_gemm_kernel(
     SPLIT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" (ignored) for 16-bit
-    SILU_MUL: tl.constexpr,  # x is [M, 2K] gate|up: the GEMM input is silu(gate) * up
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -185,11 +179,6 @@ def _small_m_gemm_kernel(
             x_mask = m_mask[:, None] & k_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
         xt = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        if SILU_MUL:  # xt is the gate; masked entries stay 0 (silu(0) * 0)
-            up = tl.load(x_rows + K + k[None, :], mask=x_mask, other=0.0)
-            g = xt.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
-            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
         wt = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         if SWAP_AB:
             acc = tl.dot(wt, tl.trans(xt), acc, input_precision=DOT_PRECISION)
@@ -246,26 +235,21 @@ def small_m_linear(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     config: SmallMGemmConfig | None = None,
-    silu_mul: bool = False,
-    reduce: bool = True,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> out [M, N] in x's dtype, fp32 accumulation;
-    with `silu_mul`, x is [M, 2K] (gate | up) and the product is (silu(gate) * up) @ weight^T.
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> out [M, N] in x's dtype, fp32 accumulation.
 
     M <= MAX_M; x needs a unit K stride (any row stride); weight a unit K stride; out (optional,
     allocated when None) a unit N stride. `config` defaults to `choose_small_m_config(M, N, K,
     SMs of x's device)`; a config with num_splits > 1 (that actually splits K) needs a float32
     `workspace` of >= `small_m_workspace_numel(M, N, config)` elements. Deterministic; a row's
     bits do not depend on M. Graph safe: shapes only, no host sync; grid (N tiles, S) [+ (N / 256,
-    M)]. Returns out. `reduce=False` leaves a split call's fp32 partials in the workspace and
-    `out` unwritten, for a caller that reduces them itself (`ops/reduce_add_rms_norm.py`; the
-    split count is `split_k_plan(K, config.block_k, config.num_splits)[0]`).
+    M)]. Returns out.
     """
     # NOTE: graph safety. Everything below reads shapes, strides, dtypes and host constants
     # only: no `.item()`, no device reads. Pass `out` and `workspace` allocated before capture
     # to keep the launch allocation-free (out=None allocates through torch's caching allocator,
     # which inside a capture lands in the graph's private pool).
-    m, n, k = _check_inputs(x, weight, bias, out, silu_mul)
+    m, n, k = _check_inputs(x, weight, bias, out)
     cfg = config or choose_small_m_config(max(m, 1), n, k, device_num_sms(x.device))
     splits, k_per_split = split_k_plan(k, cfg.block_k, cfg.num_splits)
     split = splits > 1
@@ -300,20 +284,18 @@ def small_m_linear(
         SPLIT=split,
         SWAP_AB=cfg.swap_ab,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SILU_MUL=silu_mul,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split and reduce:
+    if split:
         small_m_reduce(out, workspace, splits, bias)
     return out
 
 
 def small_m_reduce(out: torch.Tensor, workspace: torch.Tensor, num_splits: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The split reduce of `small_m_linear` on its own: out[M, N] = sum of the first
-    `num_splits` [M, N] fp32 partials of `workspace` (+ bias), in out's dtype. For a caller that
-    deferred it with `small_m_linear(..., reduce=False)` and then did not fuse it."""
+    """The split reduce of `small_m_linear`: out[M, N] = sum of the first `num_splits` [M, N]
+    fp32 partials of `workspace` (+ bias), in out's dtype, in the fixed order 0, 1, ..."""
     m, n = out.shape
     if m == 0:
         return out
@@ -342,7 +324,6 @@ def device_num_sms(device: torch.device) -> int:
 
 def _check_inputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
-    silu_mul: bool = False,
 ) -> tuple[int, int, int]:
     if x.dim() != 2:
         raise ValueError(
@@ -352,12 +333,6 @@ def _check_inputs(
         raise ValueError(f"weight must be 2-D [N, K] (nn.Linear layout), got {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    if silu_mul:
-        if k != 2 * weight.shape[1]:
-            raise ValueError(
-                f"silu_mul=True takes x = [M, 2K] (gate | up) for weight [N, K]; got x "
-                f"{tuple(x.shape)} and weight {tuple(weight.shape)}: pass the gate_up output")
-        k //= 2
     if m > MAX_M:
         raise ValueError(
             f"x has M={m} rows but small_m_linear handles M <= {MAX_M} (decode batches): use "
