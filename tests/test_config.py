@@ -67,3 +67,16 @@ def test_bad_input_names_key_value_and_allowed(section, needles):
 def test_section_must_be_object():
     with pytest.raises(ValueError, match="must be a JSON object"):
         PluginConfig.from_additional_config({"moe_graphs": [1, 2]})
+
+
+def test_parsed_once_per_process_and_section():
+    from vllm_moe_graphs.config import plugin_config
+
+    a = plugin_config({"moe_graphs": {"warmup_steps": 3, "precapture": True}})
+    assert a is plugin_config({"moe_graphs": {"precapture": True, "warmup_steps": 3}})
+    assert a.warmup_steps == 3 and a.precapture
+    assert plugin_config(None) is plugin_config({}) is plugin_config({"other": 1})
+    assert plugin_config(None) == PluginConfig()
+    assert plugin_config({"moe_graphs": {"warmup_steps": 4}}) is not a
+    with pytest.raises(ValueError, match="unknown key moe_graphs.warmup"):
+        plugin_config({"moe_graphs": {"warmup": 3}})

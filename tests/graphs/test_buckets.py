@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_bucket, pick_key
+from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, graph_config, pick_bucket, pick_key
 
 BATCH = (1, 2, 4, 8)
 CONTEXT = (16, 64)
@@ -46,3 +47,20 @@ def test_all_keys_largest_batch_first():
     keys = all_keys(BATCH, CONTEXT)
     assert len(keys) == 8 and keys[0] == GraphKey(8, 64) and keys[-1] == GraphKey(1, 16)
     assert [k.batch_bucket for k in keys] == sorted((k.batch_bucket for k in keys), reverse=True)
+
+
+def test_attention_plans_every_graph_context_bucket():
+    """The attention plan's contexts are the graph's fitted context buckets (so a key's bucket is
+    always one of them), plus max_model_len for the longer contexts that run eager."""
+    from vllm_moe_graphs.graphs.buckets import attention_context_buckets, context_bucket
+
+    config = PluginConfig(context_buckets=(2048, 8192, 32768, 131072))
+    graph = graph_config(config, 256, 40960).context_buckets
+    attn = attention_context_buckets(config.context_buckets, 40960)
+    assert attn == graph == (2048, 8192, 32768, 40960)
+    short = attention_context_buckets((2048, 8192), 40960)
+    assert short == (2048, 8192, 40960)
+    assert set(graph_config(PluginConfig(context_buckets=(2048, 8192)), 256,
+                            40960).context_buckets) <= set(short)
+    assert [context_bucket(short, n) for n in (0, 2048, 2049, 9000, 50000)] == [
+        2048, 2048, 8192, 40960, 40960]

@@ -63,7 +63,6 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
 
     from vllm import EngineArgs
 
-    from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
     from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
 
@@ -73,7 +72,6 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    PluginConfig.from_additional_config(engine_args.additional_config)  # ValueError if bad
     return model, config_capability(facts_from_engine_args(engine_args, hf)), unread
 
 

@@ -61,6 +61,22 @@ def _fit(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
     return tuple(b for b in buckets if b < limit) + (limit,)
 
 
+def attention_context_buckets(configured: Sequence[int], max_model_len: int) -> tuple[int, ...]:
+    """The contexts the attention plan sizes its split-K for: the graph's context buckets
+    fitted to max_model_len (`graph_config`), then max_model_len itself when they stop short
+    (a longer context runs eager, `CONTEXT_TOO_LONG`, and is planned for max_model_len). So a
+    graph key's context bucket is always one of these."""
+    fitted = _fit(tuple(configured), max_model_len)
+    return fitted if fitted[-1] == max_model_len else fitted + (max_model_len,)
+
+
+def context_bucket(buckets: Sequence[int], max_seq_len: int) -> int:
+    """The bucket a step's longest context is planned at: the smallest holding it, the last one
+    when none does."""
+    picked = pick_bucket(max_seq_len, buckets)
+    return buckets[-1] if picked is None else picked
+
+
 def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
     """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
     persistent buffers hold that many rows) and no context bucket above max_model_len (no key

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_moe_graphs import envs
 from vllm_moe_graphs.capability import ConfigFacts
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import PluginConfig, plugin_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,7 +74,7 @@ def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> Con
 
 def facts_from_engine_args(args: EngineArgs, hf: Mapping[str, Any]) -> ConfigFacts:
     """For `moe-graphs doctor`: no engine config is built (that needs a GPU platform)."""
-    plugin = PluginConfig.from_additional_config(args.additional_config)
+    plugin = plugin_config(args.additional_config)
     dtype = args.dtype if args.dtype not in ("auto", None) else hf.get("torch_dtype") or hf.get(
         "dtype") or "bfloat16"
     if _dtype_name(dtype) == "float32" and args.dtype == "auto":

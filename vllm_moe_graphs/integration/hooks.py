@@ -15,7 +15,7 @@ from vllm_moe_graphs.capability import (
     config_capability,
     runtime_capability,
 )
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import PluginConfig, plugin_config
 from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def process_role() -> str:
 def engine_capability(vllm_config: VllmConfig) -> tuple[PluginConfig, DecodeGraphCapability]:
     """Validate the plugin config (`ValueError` on bad input) and compute the config-time
     report."""
-    plugin = PluginConfig.from_additional_config(vllm_config.additional_config)
+    plugin = plugin_config(vllm_config.additional_config)
     return plugin, config_capability(facts_from_vllm_config(vllm_config, plugin))
 
 

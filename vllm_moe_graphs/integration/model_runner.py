@@ -81,7 +81,7 @@ from vllm.forward_context import BatchDescriptor
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import plugin_config
 from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
@@ -168,7 +168,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        self.moe_config = PluginConfig.from_additional_config(vllm_config.additional_config)
+        self.moe_config = plugin_config(vllm_config.additional_config)
         self.moe_storage = PagedKVStorage(metrics=_metrics_sink())
         self._mg_layers: AttentionLayerRegistry | None = None
         self._mg_graphs: DecodeGraphRunner | None = None

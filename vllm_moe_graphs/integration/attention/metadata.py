@@ -36,7 +36,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import plugin_config
+from vllm_moe_graphs.graphs.buckets import attention_context_buckets, context_bucket
 from vllm_moe_graphs.ops import choose_num_splits, decode_workspace_shape
 from vllm_moe_graphs.ops.kv_write import check_block_size, check_head_size
 
@@ -51,19 +52,6 @@ INTERPRETER_NUM_SMS = 4
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def context_buckets(configured: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
-    """The plugin's context buckets below max_model_len, then max_model_len itself."""
-    return tuple(b for b in configured if b < max_model_len) + (max_model_len,)
-
-
-def context_bucket(buckets: tuple[int, ...], max_seq_len: int) -> int:
-    """Smallest bucket holding `max_seq_len` (the last one when none does)."""
-    for bucket in buckets:
-        if max_seq_len <= bucket:
-            return bucket
-    return buckets[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +108,9 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = model_config.max_model_len
         self.max_blocks = _cdiv(self.max_model_len, self.block_size)
-        plugin = PluginConfig.from_additional_config(vllm_config.additional_config)
-        self.context_buckets = context_buckets(plugin.context_buckets, self.max_model_len)
+        plugin = plugin_config(vllm_config.additional_config)
+        self.context_buckets = attention_context_buckets(plugin.context_buckets,
+                                                         self.max_model_len)
         self.num_sms = _num_sms(torch.device(device))
 
         # NOTE: allocations happen here, once, never in build() or forward().
