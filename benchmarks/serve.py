@@ -268,8 +268,8 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                         _say(t0, f"{where}: FAILED: {type(exc).__name__}: {exc}")
                         continue
                     _say(t0, _progress(rows[-1]))
-        except RuntimeError as exc:
-            info["error"] = str(exc).splitlines()[0]
+        except Exception as exc:  # noqa: BLE001 - this server's failure, not the run's
+            info["error"] = (str(exc).splitlines() or [type(exc).__name__])[0]
             skipped.append(f"{mode.name}/{server_kind}: {info['error']}")
             _say(t0, f"{mode.name}/{server_kind}: FAILED: {exc}")
         finally:
