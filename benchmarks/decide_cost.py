@@ -1,4 +1,4 @@
-"""Host cost of the per-batch decision (issue #6: "costs little CPU; measure it").
+"""Host cost of the per-batch decision (it must cost little CPU).
 
     python -m benchmarks.decide_cost [--layers 48] [--iterations 200000]
 

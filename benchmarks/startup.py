@@ -47,7 +47,7 @@ from benchmarks.shapes import MODELS, REPO_ROOT, prepare_config_dir, read_config
 
 EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 DEFAULT_MODES = ("stock_eager", "stock_full_decode_nc", "stock_graphs", "plugin_graphs")
-REFERENCE_MODES = ("stock_full_decode_nc", "stock_graphs")  # issue 6's start-up targets
+REFERENCE_MODES = ("stock_full_decode_nc", "stock_graphs")  # the start-up targets' references
 MEASURE_ESTIMATE_S = 30.0  # import + one point + exit, added to a cold start's estimate
 WARM_STARTUP_GUESS_S = 20.0  # a first warm start's start-up, before one was measured
 PRIME_TIMEOUT_S = 300.0
@@ -207,7 +207,7 @@ def _median(values: list[float]) -> float | None:
 
 def summarise(runs: list[dict[str, Any]], modes: list[Mode]) -> dict[str, Any]:
     """Per mode and cache state: start-up and first-point medians; each plugin mode's start-up
-    against the reference stock modes, with issue 6's targets."""
+    against the reference stock modes, with the start-up targets."""
     per_mode: dict[str, dict[str, Any]] = {}
     for m in modes:
         entry: dict[str, Any] = {}

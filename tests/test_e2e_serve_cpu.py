@@ -85,7 +85,7 @@ def test_serve_two_api_servers_no_double_counting(tiny_qwen3, cpu_vllm, tmp_path
 
 
 def test_serve_tensor_parallel_each_rank_once(tiny_qwen3, cpu_vllm, tmp_path):
-    """--tensor-parallel-size 2 (two worker processes, issue #7): both ranks load the plugin
+    """--tensor-parallel-size 2 (two worker processes): both ranks load the plugin
     and record their own counters; /metrics shows each rank's series exactly once."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:

@@ -10,7 +10,7 @@
 #                 M 1, 8, 16, ours vs cuBLAS
 #   gemm-sweep    benchmarks.gemm_kernels --sweep on the Qwen3-0.6B projections where cuBLAS
 #                 still wins (qkv, gate_up: N > K) at M 1 and 8
-#   attn-grid     benchmarks.attn_kernels: issue 4's grid, both shapes, batch 1..128 x context
+#   attn-grid     benchmarks.attn_kernels: the decode grid, both shapes, batch 1..128 x context
 #                 512..32k, ours vs TRITON_ATTN and the HBM floor
 #   attn-sweep-b1 benchmarks.attn_kernels --sweep at batch 1 / context 512 (splits, tiles)
 # Writes $OUT/<step>.txt and $OUT/<step>.json. Never run it next to anything else on the GPU:

@@ -1,4 +1,4 @@
-"""Tensor-parallel agreement on the decode step (`graphs/agreement.py`, issue #7): the pure rule,
+"""Tensor-parallel agreement on the decode step (`graphs/agreement.py`): the pure rule,
 then the real exchange between two processes over a gloo group (CPU, torch.distributed)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU tier for the decode-graph runner inside real vLLM 0.26.0 (issue #6, #5 end to end).
+"""GPU tier for the decode-graph runner inside real vLLM 0.26.0 (end to end).
 
 Each engine runs in its own interpreter (`vllm.LLM`, the plugin loaded through its entry point,
 so it takes decode graphs over exactly as for an operator). Parity is measured *within one
@@ -414,8 +414,6 @@ def test_experimental_kernels_keep_parity(tmp_path):
     logs = "\n".join(summary["log_lines"])
     assert f"small-M GEMM on {4 * NUM_LAYERS} linear layers" in logs, logs
     assert f"fused q/k norm + RoPE in {NUM_LAYERS} of {NUM_LAYERS} attention layers" in logs, logs
-    assert (f"split-K reduce fused into the residual add + RMSNorm after {2 * NUM_LAYERS} "
-            "projections") in logs, logs
     assert_parity(summary)
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks run the same kind of decode step (issue #7; not wired in yet).
+"""Tensor-parallel ranks run the same kind of decode step (not wired in yet: tensor parallelism is not supported).
 
 Each rank decides its decode step from its own host state (`DecodeGraphRunner.decide`). Under
 tensor parallelism the ranks' forwards all-reduce together, so they must run the same thing:

@@ -4,7 +4,7 @@ vLLM's `_prepare_inputs` serves every batch shape (chunked prefill, speculative 
 M-RoPE, LoRA, context parallelism, hybrid models) and pays for it on every step: about twenty
 small device operations (copies, an index, adds, fills, the slot-mapping Triton kernel) and as
 many NumPy/CPU-tensor operations, 0.5 ms of host time per Qwen3-0.6B decode step on the H200
-host (`benchmarks/results/profiles/h200-s7-phases-plugin_graphs.txt`). The host, not the GPU,
+host (`benchmarks/results/profiles/h200-phases-plugin_graphs-vllm-inputs.txt`). The host, not the GPU,
 bounds decode there.
 
 In a pure-decode step of a plain engine every request has one query token at position
@@ -191,7 +191,7 @@ class DecodeInputs:
 
     def bookkeeping(self, runner: Any, sampler_output: Any) -> tuple[Any, ...] | None:
         """vLLM's `_bookkeeping_sync` for a pure-decode step under async scheduling, with its
-        per-request loops as NumPy (144 us at batch 64 on the H200 host, session 8); None when
+        per-request loops as NumPy (144 us at batch 64 on the H200 host); None when
         the step is not that case (the caller then runs vLLM's). Writes what vLLM's writes: the
         placeholder token (-1) of every kept request into the host token table, its count, and
         the request's output ids; last step's sampled tokens and row map for the next step."""

@@ -5,7 +5,7 @@ vLLM 0.26's V1 runner computes a step's logits after the forward, on the host's 
     sample_hidden_states = hidden_states[logits_indices]       # an index kernel
     logits = self.model.compute_logits(sample_hidden_states)   # LogitsProcessor -> F.linear
 
-On the H200 host that is about 0.15 ms of Python and launches per decode step (session 8
+On the H200 host that is about 0.15 ms of Python and launches per decode step (a step
 profile: the index 80 us, the LM head's linear 67-79 us), and a Qwen3-0.6B step at batch 8 is
 host-bound. `GraphLogits` moves both into the step's forward, i.e. into the captured graph:
 

@@ -9,7 +9,7 @@ M's parity for Qwen3-MoE's shapes) and per path: below M * top_k * 4 <= experts 
 block alignment (`naive_block_assignment`), and below BLOCK_SIZE_M it bounds the padded count
 differently. Stock vLLM's torch.compile + CUDA-graph capture runs about 67 token counts at
 start-up; without it, a request batch of a token count between the warmed sizes compiled
-`fused_moe_kernel` while serving (the Qwen3-30B-A3B GPU tests, session 11: vLLM's JIT monitor).
+`fused_moe_kernel` while serving (the Qwen3-30B-A3B GPU tests: vLLM's JIT monitor).
 
 So: while the warm-up's first batches run, the arguments vLLM passes to
 `try_get_optimal_moe_config` are recorded (weights' shapes, top-k, dtype name, block shape);

@@ -49,7 +49,7 @@ DOT_MIN_M = 16  # smallest M tl.dot accepts
 MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile (H200, b1 c512: 8 splits beat 4)
 MAX_SPLITS = 64  # upper bound for choose_num_splits (also sizes the reduce tile)
 # B * Hkv * S up to this many programs per SM (H200 sweep, b8-64 x c512/2k, both shapes, in
-# benchmarks/results/attn-sweep-b8-64-h200-s6.txt: with 2, rounded up, 0.6B b8 ran 5 splits
+# benchmarks/results/h200-attn-sweep-b8-64.txt: with 2, rounded up, 0.6B b8 ran 5 splits
 # where 8 were 8-15% faster)
 TARGET_PROGRAMS_PER_SM = 4
 REDUCE_NUM_WARPS = 4
