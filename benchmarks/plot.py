@@ -13,7 +13,7 @@ from benchmarks.modes import MODES
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-def _pyplot(rows: list[Any], path: Path, redraw: str) -> Any:
+def pyplot_or_none(rows: list[Any], path: Path, redraw: str) -> Any:
     """matplotlib.pyplot (Agg), or None with the reason printed: no rows, or no matplotlib."""
     if not rows:
         print("plot: no rows to plot", flush=True)
@@ -43,7 +43,7 @@ def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
 def render(doc: dict[str, Any], path: Path) -> Path | None:
     """Write the plot to `path`; None (with a printed reason) when it cannot."""
     rows = doc.get("rows", [])
-    plt = _pyplot(rows, path, "python -m benchmarks.plot decode")
+    plt = pyplot_or_none(rows, path, "python -m benchmarks.plot decode")
     if plt is None:
         return None
 
@@ -111,7 +111,7 @@ def render_attn(doc: dict[str, Any], path: Path) -> Path | None:
     ours (dashed) vs context (a line per batch; above 1 = ours faster) and ours as % of the HBM
     floor (the copy bandwidth)."""
     rows = doc.get("rows", [])
-    plt = _pyplot(rows, path, "python -m benchmarks.plot attn")
+    plt = pyplot_or_none(rows, path, "python -m benchmarks.plot attn")
     if plt is None:
         return None
     models = sorted({r["model"] for r in rows})

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Workload, rate_label
+from benchmarks.plot import pyplot_or_none
 
 SCHEMA = "vllm_moe_graphs.serve_bench/1"
 EXIT_NO_ROWS = 1
@@ -145,19 +146,10 @@ def render(doc: Mapping[str, Any], path: Path) -> Path | None:
     """TTFT p50 (top) and TPOT p50 (bottom) against rate, one column per workload, one line per
     mode. None (with the reason printed) without matplotlib or rows."""
     rows = doc.get("rows", [])
+    plt = pyplot_or_none(rows, path, "python -m benchmarks.serve --plot")
+    if plt is None:
+        return None
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    if not workloads:
-        print("plot: no rows to plot", flush=True)
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        print(f"plot: matplotlib is not installed ({exc}); skipping {path.name}; redraw with "
-              f"`python -m benchmarks.serve --plot {path.with_suffix('.json')}`", flush=True)
-        return None
     fig, axes = plt.subplots(2, len(workloads), figsize=(4.6 * len(workloads), 7), squeeze=False)
     for col, workload in enumerate(workloads):
         for row_i, (field, label) in enumerate((("ttft_ms", "TTFT p50 (ms)"),

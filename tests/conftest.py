@@ -35,6 +35,20 @@ def _triton_interpreter_active() -> None:
         )
 
 
+@pytest.fixture(autouse=True)
+def _keep_vllm_logging_stream():
+    """`moe-graphs` sends vLLM's logging to stderr by exporting VLLM_LOGGING_STREAM; a test that
+    calls the command line in this process must not leave that to the tests after it (their
+    subprocesses read vLLM's log on stdout)."""
+    name = "VLLM_LOGGING_STREAM"
+    before = os.environ.get(name)
+    yield
+    if before is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     from tests.tiny_models import build_checkpoint
