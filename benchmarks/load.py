@@ -150,6 +150,9 @@ async def _one(session: Any, url: str, body: bytes, t0: float, rec: Record) -> N
                 if not line.startswith(b"data: "):
                     continue
                 if line.startswith(b"data: [DONE]"):
+                    if rec.output_tokens < rec.max_tokens:
+                        rec.error = (f"stream ended after {rec.output_tokens} of "
+                                     f"{rec.max_tokens} tokens")
                     break
                 if line.startswith(b'data: {"error"'):
                     rec.error = "stream error: " + line[6:206].decode(errors="replace")
