@@ -134,17 +134,7 @@ class Server:
         (the engine core holding the GPU memory included) is gone. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            deadline = time.monotonic() + 30
-            while _group_alive(proc) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if _group_alive(proc):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-                while _group_alive(proc) and time.monotonic() < deadline + 10:
-                    time.sleep(0.2)
+            stop_process_group(proc)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -169,7 +159,25 @@ class Server:
             return {}
 
 
-def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+def stop_process_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGINT to `proc`'s process group (started with start_new_session=True), SIGKILL after
+    `grace_s`; returns once every process of the group is gone, so the next server finds the
+    memory, cores and ports this one held free."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(proc) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(proc):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        while _group_alive(proc) and time.monotonic() < deadline + 10:
+            time.sleep(0.2)
+
+
+def _group_alive(proc: subprocess.Popen[Any]) -> bool:
     """Is any process of `proc`'s process group still running (zombies reaped)?"""
     proc.poll()
     try:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-from benchmarks.serve_server import free_port
+from benchmarks.serve_server import free_port, stop_process_group
 from benchmarks.serve_server import http_get as get
 
 
@@ -83,13 +82,7 @@ def vllm_serve(model: str, cpu_vllm: str | None, log_path: str, args: tuple[str,
             time.sleep(1)
         yield base
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process_group(proc)
         log.close()
 
 
