@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -157,20 +158,18 @@ _PARSERS = {
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"
 
 
-# One parse per process and config: the plugin's code everywhere (the engine's config hooks, the
-# runner, every attention metadata builder, doctor) asks here, so one section always yields the
-# same object, and a bad value fails with the same message wherever it is read first.
-_PARSED: dict[str, PluginConfig] = {}
-
-
 def plugin_config(additional_config: Mapping[str, Any] | None) -> PluginConfig:
     """`PluginConfig.from_additional_config`, parsed once per process for each distinct
-    `moe_graphs` section (keyed by its canonical JSON)."""
+    `moe_graphs` section: the engine's config hooks, the runner, every attention metadata
+    builder and doctor all read the config here, so one section always yields one object."""
     section = (additional_config or {}).get(CONFIG_KEY)
     try:
         key = json.dumps(section, sort_keys=True)
     except (TypeError, ValueError):  # not JSON: let the parser name what is wrong
         return PluginConfig.from_additional_config(additional_config)
-    if key not in _PARSED:
-        _PARSED[key] = PluginConfig.from_additional_config(additional_config)
-    return _PARSED[key]
+    return _parse_section(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_section(section_json: str) -> PluginConfig:
+    return PluginConfig.from_additional_config({CONFIG_KEY: json.loads(section_json)})
