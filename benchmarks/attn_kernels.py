@@ -104,12 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
     # our kernel's tunables (defaults: the ones the plugin ships)
     p.add_argument("--block-n", type=int, default=None,
-                   help="our kernel: tokens per loop step (default: paged_decode.DEFAULT_BLOCK_N)")
+                   help="our kernel: tokens per loop step (default: decode_plan.DEFAULT_BLOCK_N)")
     p.add_argument("--num-warps", type=int, default=None,
-                   help="our kernel: warps per program (default: paged_decode.DEFAULT_NUM_WARPS)")
+                   help="our kernel: warps per program (default: decode_plan.DEFAULT_NUM_WARPS)")
     p.add_argument("--num-stages", type=int, default=None,
                    help="our kernel: software pipeline depth (default: "
-                        "paged_decode.DEFAULT_NUM_STAGES)")
+                        "decode_plan.DEFAULT_NUM_STAGES)")
     p.add_argument("--num-splits", default="auto",
                    help="our kernel: split-K factor, 'auto' = choose_num_splits (default: auto)")
     # sweep
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vllm_moe_graphs.ops import DecodeKernelConfig, choose_num_splits
-    from vllm_moe_graphs.ops import paged_decode as pd
+    from vllm_moe_graphs.ops import decode_plan as pd
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     num_sms, l2_bytes, bandwidth = device_header(torch, args.copy_gib)

@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_config(args: argparse.Namespace, n: int, k: int, num_sms: int):
     from vllm_moe_graphs.ops import SmallMGemmConfig, choose_small_m_config
-    from vllm_moe_graphs.ops import small_m_gemm as smg
+    from vllm_moe_graphs.ops import small_m_plan as smg
 
     cfg = choose_small_m_config(1, n, k, num_sms)
     over = dict(block_n=args.block_n, block_k=args.block_k, num_warps=args.num_warps,
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     from benchmarks.attn_kernels import _time_graph, device_header
     from vllm_moe_graphs.ops import SmallMGemmConfig, small_m_linear, small_m_workspace_numel
-    from vllm_moe_graphs.ops import small_m_gemm as smg
+    from vllm_moe_graphs.ops import small_m_plan as smg
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     num_sms, l2_bytes, bandwidth = device_header(torch, args.copy_gib)

@@ -58,6 +58,36 @@ def test_every_metric_exported_with_prefix(tmp_path):
         assert _samples(text, sample), name
 
 
+def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
+    from vllm_moe_graphs.graphs.stats import GraphStats
+
+    rec = MetricsRecorder(rank=0, directory=str(tmp_path))
+    stats = GraphStats(replays=3, captures=1, capture_seconds=[0.5], pool_bytes=2048,
+                       scratch_bytes=64)
+    stats.fallback(Reason.MIXED_BATCH)
+    rec.publish(stats)
+    assert stats.capture_seconds == [], "observations are handed over once"
+    rec.publish(stats)  # nothing changed: nothing added
+    stats.replays += 2
+    stats.fallback(Reason.MIXED_BATCH)
+    stats.fallback(Reason.KILL_SWITCH)
+    stats.capture_failures += 1
+    stats.pool_bytes = 0
+    rec.publish(stats)
+    # a second runner in the process: its counters add from zero, its gauges replace
+    other = GraphStats(replays=1, scratch_bytes=32)
+    rec.publish(other)
+    text = _scrape(str(tmp_path))
+    assert _value(text, "moe_graphs_replays_total", rank="0") == 6
+    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="mixed_batch", rank="0") == 2
+    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="kill_switch", rank="0") == 1
+    assert _value(text, "moe_graphs_captures_total", rank="0") == 1
+    assert _value(text, "moe_graphs_capture_failures_total", rank="0") == 1
+    assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 1
+    assert _value(text, "moe_graphs_pool_bytes", rank="0") == 0
+    assert _value(text, "moe_graphs_scratch_bytes", rank="0") == 32
+
+
 def test_recorded_values_reach_the_files(tmp_path):
     rec = MetricsRecorder(rank=3, directory=str(tmp_path))
     rec.set_mode(Mode.STOCK)

@@ -56,3 +56,31 @@ def test_only_integration_imports_vllm_internals():
 ])
 def test_the_wall_check_sees_what_crosses(rel, source, bad):
     assert bool(wall_violations(pathlib.PurePath(rel), source)) is bad
+
+
+PATCH_DIR = ("integration", "patch")  # the one place that rebinds other objects' attributes
+
+
+def patch_violations(rel: pathlib.PurePath, source: str) -> list[str]:
+    """`setattr` / `delattr` calls of module `rel` outside `integration/patch/`."""
+    if rel.parts[:2] == PATCH_DIR:
+        return []
+    return [f"{rel}:{node.lineno}: {node.func.id}()" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")]
+
+
+def test_only_integration_patch_rebinds_attributes():
+    violations = [v for p in sorted(PACKAGE.rglob("*.py"))
+                  for v in patch_violations(p.relative_to(PACKAGE), p.read_text())]
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("rel,source,bad", [
+    ("integration/x.py", "setattr(module, 'f', g)\n", True),
+    ("graphs/x.py", "def f(m):\n    delattr(m, 'forward')\n", True),
+    ("integration/patch/x.py", "setattr(module, 'f', g)\n", False),
+    ("integration/x.py", "getattr(module, 'f')\n", False),
+])
+def test_the_patch_check_sees_what_crosses(rel, source, bad):
+    assert bool(patch_violations(pathlib.PurePath(rel), source)) is bad

@@ -16,11 +16,15 @@ import contextlib
 import enum
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram, values
 
 from vllm_moe_graphs import __version__, envs
 from vllm_moe_graphs.capability import DecodeGraphCapability, Reason
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.graphs.stats import GraphStats
 
 PREFIX = "moe_graphs_"
 
@@ -97,6 +101,7 @@ class MetricsRecorder:
             raise ValueError(f"rank={rank!r} must be an integer >= 0")
         self.rank = rank
         self.directory = directory
+        self._published: dict[int, list] = {}  # id(stats) -> [stats, what was published]
         r = str(rank)
         with _file_backed_values(directory):
             # registry=None: these objects are never registered in this process; the root
@@ -166,6 +171,34 @@ class MetricsRecorder:
     def set_memory(self, pool_bytes: int, scratch_bytes: int) -> None:
         self._pool_bytes.set(pool_bytes)
         self._scratch_bytes.set(scratch_bytes)
+
+    def publish(self, stats: GraphStats) -> None:
+        """Publish what changed in a graph runner's `stats` since the last call (the
+        integration layer calls this after each engine step, outside any captured region).
+        A new `stats` object (a new runner) starts from zero."""
+        last = self._published.get(id(stats))
+        if last is None or last[0] is not stats:
+            last = self._published[id(stats)] = [stats, 0, {}, 0, 0, None]
+        _, replays, fallbacks, captures, failures, memory = last
+        if stats.replays != replays:
+            self.replay(stats.replays - replays)
+            last[1] = stats.replays
+        if stats.fallbacks != fallbacks:
+            for reason, n in stats.fallbacks.items():
+                if n != fallbacks.get(reason, 0):
+                    self.fallback(reason, n - fallbacks.get(reason, 0))
+            last[2] = dict(stats.fallbacks)
+        if stats.captures != captures:
+            self._captures.inc(stats.captures - captures)
+            last[3] = stats.captures
+        while stats.capture_seconds:
+            self._capture_seconds.observe(stats.capture_seconds.pop(0))
+        if stats.capture_failures != failures:
+            self._capture_failures.inc(stats.capture_failures - failures)
+            last[4] = stats.capture_failures
+        if (stats.pool_bytes, stats.scratch_bytes) != memory:
+            self.set_memory(stats.pool_bytes, stats.scratch_bytes)
+            last[5] = (stats.pool_bytes, stats.scratch_bytes)
 
 
 _recorder_by_pid: dict[int, MetricsRecorder] = {}

@@ -15,7 +15,7 @@
 #
 # Writes under $OUT:
 #   pytest.txt (one lane) or pytest-<lane>.txt    the whole pytest output
-#   *.json            per-test summaries (MOE_GRAPHS_TEST_OUT=$OUT)
+#   summaries.tar.gz  the per-test summaries, *.json (MOE_GRAPHS_TEST_OUT=$OUT)
 #   engine-logs.txt   the moe_graphs / error lines of every engine log the tests kept
 set -uo pipefail
 T0=$(date +%s)
@@ -53,6 +53,10 @@ for f in /tmp/gpu-tests*/*/*.log /tmp/gpu-tests*/*/*/*.log; do
   echo "== $f"
   grep -E "moe_graphs|ENGINE_|Error|Traceback|JIT compilation" "$f" | tail -40
 done >"$OUT/engine-logs.txt" 2>&1
+# At most 8 files come back from a device call: the per-test summaries travel as one archive.
+if compgen -G "$OUT/*.json" >/dev/null; then
+  tar -czf "$OUT/summaries.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json
+fi
 for f in "$OUT"/pytest*.txt; do echo "== $f"; tail -15 "$f"; done
 echo "[tests.sh] exit $rc after $(($(date +%s) - T0))s"
 exit $rc

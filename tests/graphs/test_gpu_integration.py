@@ -140,8 +140,8 @@ def metadata_copies():
              if isinstance(b, MoeGraphsMetadataBuilder) and b._in_place is not None]
     for b in reset:
         b._in_place = None
-    fast_steps = runner._mg_inputs.steps if runner._mg_inputs is not None else 0
-    runner._mg_inputs = None
+    fast_steps = runner.moe_graphs.inputs.steps if runner.moe_graphs.inputs is not None else 0
+    runner.moe_graphs.inputs = None
     return {"in_place_builders_reset": len(reset), "fast_input_steps_before": fast_steps}
 
 
@@ -170,9 +170,10 @@ for phase in spec["phases"]:
                              "mean_top1_logprob": sum(top1) / len(top1),
                              "metrics": collect_text()})
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-logits = getattr(runner, "_mg_logits", None)  # None: stock runner, or vLLM computes them
+plugin = getattr(runner, "moe_graphs", None)  # None: stock runner
+logits = plugin.logits if plugin is not None else None  # None: vLLM computes them
 result["graph_logits_handed_over"] = logits.handed_over if logits is not None else 0
-result["lean_replay"] = bool(getattr(runner, "_mg_lean_replay", False))
+result["lean_replay"] = bool(plugin is not None and plugin.lean_replay)
 with open(spec["out"], "w") as f:
     json.dump(result, f)
 print("ENGINE_DONE", result["config"], flush=True)

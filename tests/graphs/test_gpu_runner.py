@@ -11,7 +11,6 @@ import torch
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs import Action, DecodeGraphRunner, GraphKey
-from vllm_moe_graphs.metrics import MetricsRecorder
 
 pytestmark = pytest.mark.gpu
 
@@ -58,14 +57,13 @@ def config(**kw) -> PluginConfig:
 
 def test_replay_matches_eager_for_padded_batches():
     toy, hooks = Toy(), mock.Mock()
-    metrics = mock.Mock(wraps=MetricsRecorder())
-    runner = DecodeGraphRunner(toy.forward, config(), metrics=metrics,
+    runner = DecodeGraphRunner(toy.forward, config(),
                                before_capture=hooks.capture, before_replay=hooks.replay)
     for n in (1, 3, 5, 8, 13, 16):
         actions = []
         for _ in range(4):
             want = toy.fill(n)
-            out, d = runner.run(n, 100, True)
+            out, d = runner.step(n, 100, True)
             actions.append(d.action)
             assert out.shape == (n, D)
             torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
@@ -74,8 +72,7 @@ def test_replay_matches_eager_for_padded_batches():
     assert runner.keys == tuple(GraphKey(b, 1024) for b in (1, 4, 8, 16))
     assert hooks.capture.call_count == 4
     assert runner.pool_bytes > 0
-    pool_bytes, _ = metrics.set_memory.call_args.args
-    assert pool_bytes == runner.pool_bytes > 0
+    assert runner.stats.pool_bytes == runner.pool_bytes > 0
     runner.close()
 
 
@@ -83,10 +80,10 @@ def test_tiny_budget_denies_second_capture():
     toy = Toy()
     runner = DecodeGraphRunner(toy.forward, config(warmup_steps=0, graph_memory_budget_mib=1))
     toy.fill(16)
-    assert runner.run(16, 100, True)[1].action is Action.CAPTURE
+    assert runner.step(16, 100, True)[1].action is Action.CAPTURE
     assert runner.pool_bytes >= 1 << 20, "a capture allocates at least one pool segment"
     want = toy.fill(2)
-    out, d = runner.run(2, 100, True)
+    out, d = runner.step(2, 100, True)
     assert d.reason is Reason.MEMORY_BUDGET and d.action is Action.EAGER
     torch.testing.assert_close(out, want)
     runner.close()
@@ -97,7 +94,7 @@ def test_failed_capture_quarantines_and_eager_still_works():
     runner = DecodeGraphRunner(toy.forward, config(warmup_steps=0))
     for _ in range(2):
         want = toy.fill(4)
-        out, d = runner.run(4, 100, True)
+        out, d = runner.step(4, 100, True)
         assert d.reason is Reason.CAPTURE_FAILED
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     assert runner.quarantined == {GraphKey(4, 1024)} and runner.keys == ()
@@ -112,7 +109,7 @@ def test_invalidate_frees_pool_memory():
         runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)
         for n in (16, 8, 2):
             want = toy.fill(n)
-            out, d = runner.run(n, 100, True)
+            out, d = runner.step(n, 100, True)
             assert d.action is Action.CAPTURE
             torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
         torch.cuda.synchronize()

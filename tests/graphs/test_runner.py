@@ -18,7 +18,6 @@ from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs import Action, CapturedGraph, Decision, DecodeGraphRunner, GraphKey
 from vllm_moe_graphs.killswitch import KillSwitch
 from vllm_moe_graphs.kv.storage import PagedKVStorage
-from vllm_moe_graphs.metrics import MetricsRecorder
 
 MIB = 1 << 20
 MAX, D = 8, 4  # B = padded batch (max bucket), D = hidden
@@ -85,14 +84,13 @@ class Emulated:
 
 def make(cfg=None, **kw):
     toy, cap = Toy(), kw.pop("capture_fn", None) or Emulated()
-    metrics = mock.Mock(wraps=MetricsRecorder())
-    runner = DecodeGraphRunner(toy.forward, cfg or config(), capture_fn=cap, metrics=metrics, **kw)
-    return runner, toy, cap, metrics
+    runner = DecodeGraphRunner(toy.forward, cfg or config(), capture_fn=cap, **kw)
+    return runner, toy, cap, runner.stats
 
 
 def step(runner, toy, n, ctx=10, pure=True):
     want = toy.fill(n)
-    out, d = runner.run(n, ctx, pure)
+    out, d = runner.step(n, ctx, pure)
     assert out.shape == (n, D), "only the real rows come back"
     torch.testing.assert_close(out, want)
     return d
@@ -121,8 +119,8 @@ def test_decision_table_per_batch_reasons(tmp_path):
 
 def test_warmup_capture_replay_sequence():
     before = mock.Mock()
-    runner, toy, cap, metrics = make(before_capture=before.capture,
-                                     before_replay=before.replay)
+    runner, toy, cap, stats = make(before_capture=before.capture,
+                                   before_replay=before.replay)
     for _ in range(2):
         d = step(runner, toy, 3)
         assert d.warming_up and toy.calls[-1] == 4, "warm-up runs the padded bucket"
@@ -134,9 +132,9 @@ def test_warmup_capture_replay_sequence():
         assert step(runner, toy, n, ctx=16).action is Action.REPLAY
     assert cap.captures == 1 and cap.replays == 3  # one replay serves the capture step
     assert before.replay.call_count == 3
-    assert metrics.replay.call_count == 3 and metrics.capture.call_count == 1
-    metrics.fallback.assert_not_called()  # warm-up is not a fallback
-    metrics.set_memory.assert_called_with(MIB, 0)
+    assert stats.replays == 3 and stats.captures == 1 and len(stats.capture_seconds) == 1
+    assert stats.fallbacks == {}  # warm-up is not a fallback
+    assert (stats.pool_bytes, stats.scratch_bytes) == (MIB, 0)
     assert runner.pool_bytes == MIB
 
 
@@ -150,7 +148,7 @@ def test_real_row_slicing_hides_padding():
     step(runner, toy, 5)  # capture bucket 8
     toy.fill(5)
     toy.x[5:] = 100.0  # garbage in the padding rows is computed but never returned
-    out, d = runner.run(5, 10, True)
+    out, d = runner.step(5, 10, True)
     assert d.action is Action.REPLAY and out.shape == (5, D)
     torch.testing.assert_close(out, toy.rows @ toy.w)
 
@@ -158,7 +156,7 @@ def test_real_row_slicing_hides_padding():
 # -- failures --------------------------------------------------------------------------------
 def test_capture_failure_quarantines_key_and_runs_eager():
     cap = Emulated(fail=RuntimeError("operation not permitted when stream is capturing"))
-    runner, toy, _, metrics = make(capture_fn=cap)
+    runner, toy, _, stats = make(capture_fn=cap)
     for _ in range(2):
         step(runner, toy, 3)
     d = step(runner, toy, 3)  # the failing step still returns the correct output
@@ -167,8 +165,8 @@ def test_capture_failure_quarantines_key_and_runs_eager():
     for _ in range(3):
         assert step(runner, toy, 4).reason is Reason.CAPTURE_FAILED
     assert cap.captures == 1, "a quarantined key is never captured again"
-    metrics.capture_failure.assert_called_once()
-    assert metrics.fallback.call_args_list == [mock.call(Reason.CAPTURE_FAILED)] * 4
+    assert stats.capture_failures == 1
+    assert stats.fallbacks == {Reason.CAPTURE_FAILED: 4}
     runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)
     assert runner.decide(3, 10, True).reason is Reason.CAPTURE_FAILED, "for the runner's life"
     # other keys still capture
@@ -184,19 +182,19 @@ def test_raise_policy_wraps_error_with_remedy():
                              capture_fn=Emulated(fail=err))
     toy.fill(2)
     with pytest.raises(RuntimeError, match="quarantine") as info:
-        runner.run(2, 10, True)
+        runner.step(2, 10, True)
     assert info.value.__cause__ is err
     assert runner.quarantined == {GraphKey(2, 16)}
 
 
 def test_memory_budget_denies_further_captures():
-    runner, toy, cap, metrics = make(config(warmup_steps=0, graph_memory_budget_mib=2),
+    runner, toy, cap, stats = make(config(warmup_steps=0, graph_memory_budget_mib=2),
                                      capture_fn=Emulated(pool_bytes=2 * MIB))
     assert step(runner, toy, 1).action is Action.CAPTURE  # this one reaches the budget
     d = step(runner, toy, 2)
     assert d == Decision(Action.EAGER, GraphKey(2, 16), Reason.MEMORY_BUDGET, 2)
     assert step(runner, toy, 1).action is Action.REPLAY, "captured graphs keep replaying"
-    metrics.fallback.assert_called_once_with(Reason.MEMORY_BUDGET)
+    assert stats.fallbacks == {Reason.MEMORY_BUDGET: 1}
     assert cap.captures == 1
     runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)  # a new pool: budget available again
     assert runner.pool_bytes == 0 and step(runner, toy, 2).action is Action.CAPTURE
@@ -224,13 +222,13 @@ def test_no_cuda_runs_everything_eager():
 # -- kill switch, storage, lifecycle ---------------------------------------------------------
 def test_kill_switch_keeps_graphs(tmp_path):
     kill = tmp_path / "kill"
-    runner, toy, cap, metrics = make(config(warmup_steps=0),
+    runner, toy, cap, stats = make(config(warmup_steps=0),
                                      kill_switch=KillSwitch(str(kill), interval_s=0))
     step(runner, toy, 2)
     kill.write_text("")
     assert step(runner, toy, 2).reason is Reason.KILL_SWITCH
     assert runner.keys == (GraphKey(2, 16),)
-    metrics.fallback.assert_called_once_with(Reason.KILL_SWITCH)
+    assert stats.fallbacks == {Reason.KILL_SWITCH: 1}
     os.remove(kill)
     assert step(runner, toy, 2).action is Action.REPLAY and cap.captures == 1
 
@@ -264,14 +262,14 @@ def test_replay_gate_denies_stale_generation():
     storage = PagedKVStorage()
     layers = _kv()
     _bind(storage, layers)
-    runner, toy, cap, metrics = make(config(warmup_steps=0), storage=storage)
+    runner, toy, cap, stats = make(config(warmup_steps=0), storage=storage)
     step(runner, toy, 3)
     _bind(storage, layers)  # same identity: no listener call, but the generation moves
     assert runner.keys == (GraphKey(4, 16),)
     d = step(runner, toy, 3)
     assert d == Decision(Action.EAGER, GraphKey(4, 16), Reason.STORAGE_IDENTITY_CHANGED, 3)
     assert runner.keys == () and cap.replays == 1
-    metrics.fallback.assert_called_once_with(Reason.STORAGE_IDENTITY_CHANGED)
+    assert stats.fallbacks == {Reason.STORAGE_IDENTITY_CHANGED: 1}
     assert step(runner, toy, 3).action is Action.CAPTURE
 
 
@@ -283,7 +281,7 @@ def test_close_is_idempotent_and_final():
     runner.close()
     runner.close()
     assert runner.closed and runner.keys == () and runner.pool_bytes == 0 and cap.releases == 1
-    for call in (lambda: runner.run(3, 10, True), runner.precapture,
+    for call in (lambda: runner.step(3, 10, True), runner.precapture,
                  lambda: runner.decide(3, 10, True)):
         with pytest.raises(RuntimeError, match="after close"):
             call()
@@ -305,8 +303,8 @@ def test_precapture_largest_first_with_prepare():
 
 
 def test_scratch_bytes_reported():
-    runner, _, _, metrics = make()
+    runner, _, _, stats = make()
     runner.set_scratch_bytes(1234)
-    metrics.set_memory.assert_called_with(0, 1234)
+    assert (stats.pool_bytes, stats.scratch_bytes) == (0, 1234)
     with pytest.raises(ValueError):
         runner.set_scratch_bytes(-1)

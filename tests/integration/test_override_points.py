@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 
@@ -12,18 +13,18 @@ GPUModelRunner = gpu_model_runner.GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
 from vllm_moe_graphs.integration import model_runner, runner_buffers, worker  # noqa: E402
-from vllm_moe_graphs.integration.model_runner import (  # noqa: E402
-    CALLED,
-    OVERRIDES,
-    MoeGraphsModelRunner,
-    check_override_points,
+from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner  # noqa: E402
+from vllm_moe_graphs.integration.signatures import (  # noqa: E402
+    RUNNER_CALLED,
+    RUNNER_OVERRIDES,
+    IncompatibleVllmError,
+    check_runner_points,
 )
-from vllm_moe_graphs.integration.signatures import IncompatibleVllmError  # noqa: E402
 from vllm_moe_graphs.integration.worker import (  # noqa: E402
     MoeGraphsWorker,
     check_worker_points,
-    runner_class_substituted,
 )
+from vllm_moe_graphs.integration.patch.runner_class import substituted  # noqa: E402
 
 _ROW = re.compile(r"^`(\w+)`\s*\|([^|]*)\|", re.MULTILINE)
 
@@ -35,7 +36,7 @@ def test_modules_import_on_cpu_and_subclass_vllm():
 
 
 def test_override_points_match_installed_vllm():
-    check_override_points()
+    check_runner_points()
     check_worker_points()
 
 
@@ -45,7 +46,7 @@ def test_drifted_runner_signature_is_named():
             raise AssertionError("never called")
 
     with pytest.raises(IncompatibleVllmError, match=r"DriftedRunner\.initialize_kv_cache") as e:
-        check_override_points(DriftedRunner)
+        check_runner_points(DriftedRunner)
     assert "'is_profiling'" in str(e.value)  # expected vs found
 
 
@@ -53,10 +54,10 @@ def test_missing_called_method_is_named():
     class NoGetModel:  # a runner base without get_model, everything else like 0.26
         pass
 
-    for name, params in OVERRIDES.items():
+    for name, params in RUNNER_OVERRIDES.items():
         setattr(NoGetModel, name, _fn_with(params))
     with pytest.raises(IncompatibleVllmError, match=r"NoGetModel\.get_model.*does not exist"):
-        check_override_points(NoGetModel)
+        check_runner_points(NoGetModel)
 
 
 def _fn_with(params: tuple[str, ...]):
@@ -77,16 +78,16 @@ def test_drifted_worker_signature_is_named():
 def test_overrides_are_exactly_the_docstring_table():
     table = {name: tuple(p.strip() for p in params.split(",") if p.strip())
              for name, params in _ROW.findall(model_runner.__doc__)}
-    assert table == {name: params[1:] for name, params in OVERRIDES.items()}
+    assert table == {name: params[1:] for name, params in RUNNER_OVERRIDES.items()}
 
     own = {n for n, v in MoeGraphsModelRunner.__dict__.items() if inspect.isfunction(v)}
     overridden = {n for n in own if hasattr(GPUModelRunner, n)}
-    assert overridden == set(OVERRIDES)
+    assert overridden == set(RUNNER_OVERRIDES)
     helpers = own - overridden
-    assert all(n.startswith("_mg_") for n in helpers), helpers
-    assert not set(CALLED) & own
+    assert not helpers, f"the runner forwards to GraphLifecycle; it defines no helpers: {helpers}"
+    assert not set(RUNNER_CALLED) & own
 
-    for name, params in OVERRIDES.items():  # same parameters and defaults as vLLM's
+    for name, params in RUNNER_OVERRIDES.items():  # same parameters and defaults as vLLM's
         ours = inspect.signature(MoeGraphsModelRunner.__dict__[name]).parameters
         theirs = inspect.signature(getattr(GPUModelRunner, name)).parameters
         assert tuple(ours) == params == tuple(theirs), name
@@ -109,7 +110,7 @@ class _RaisingRunner(MoeGraphsModelRunner):
 def test_substitution_restores_module_attribute_when_runner_init_raises():
     # What Worker.init_device does: a local import of the module attribute, then construction.
     with pytest.raises(RuntimeError, match="runner init failed"):
-        with runner_class_substituted(_RaisingRunner):
+        with substituted(_RaisingRunner):
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GPUModelRunnerV1
 
             assert GPUModelRunnerV1 is _RaisingRunner
@@ -119,7 +120,7 @@ def test_substitution_restores_module_attribute_when_runner_init_raises():
 
 def test_substitution_refuses_a_non_subclass():
     with pytest.raises(TypeError, match="must subclass"):
-        with runner_class_substituted(int):
+        with substituted(int):
             pass
     assert gpu_model_runner.GPUModelRunner is GPUModelRunner
 
@@ -169,17 +170,15 @@ def _bare_runner(layers: dict):
     import types
 
     from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
     from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
     import torch
 
     ns = types.SimpleNamespace
     r = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)
-    r.moe_config = PluginConfig()
-    r.moe_storage = PagedKVStorage()
+    r.moe_graphs = GraphLifecycle(r, PluginConfig(), PagedKVStorage())
     r.device = torch.device("cpu")
-    r._mg_layers = None
-    r._mg_graphs = None
     r.cache_config = ns(cache_dtype="auto", num_gpu_blocks=4)
     ctx = {name: ns(kv_cache=t) for name, t in layers.items()}
     r.compilation_config = ns(static_forward_context=ctx)
@@ -192,8 +191,9 @@ def _bare_runner(layers: dict):
         block_table=ns(gpu=torch.zeros(8, 4, dtype=torch.int32)),
         slot_mapping=ns(gpu=torch.zeros(8, dtype=torch.int64)))]))
     r.attn_groups = []
-    r.moe_storage.bind(layers, phase=Phase.SERVING, buffers=runner_buffers.graph_buffers(r))
-    r._mg_kv_watch = tuple((ctx[n], t) for n, t in layers.items())
+    r.moe_graphs.storage.bind(layers, phase=Phase.SERVING,
+                              buffers=runner_buffers.graph_buffers(r))
+    r.moe_graphs.watch_kv(layers)
     return r
 
 
@@ -205,20 +205,20 @@ def test_cleanup_unbinds_before_vllm_frees_the_cache():
         r._cleanup_profiling_kv_cache()
     except RuntimeError:
         assert len(r.kv_caches) == 1, "vLLM's body ran: this host has an accelerator"
-    assert not r.moe_storage.bound
-    assert r.moe_storage.proof().reason.value == "storage_unbound"
+    assert not r.moe_graphs.storage.bound
+    assert r.moe_graphs.storage.proof().reason.value == "storage_unbound"
 
 
 def test_wake_up_revalidates_the_bound_identity():
     name = "model.layers.0.self_attn.attn"
     r = _bare_runner({name: _kv()})
-    gen = r.moe_storage.generation
+    gen = r.moe_graphs.storage.generation
     r.post_kv_cache_wake_up()  # vLLM's body: no-op for an unquantized cache
-    assert r.moe_storage.bound and r.moe_storage.generation == gen
+    assert r.moe_graphs.storage.bound and r.moe_graphs.storage.generation == gen
 
     r.compilation_config.static_forward_context[name].kv_cache = _kv(8)  # reallocated
     r.post_kv_cache_wake_up()
-    proof = r.moe_storage.proof()
+    proof = r.moe_graphs.storage.proof()
     assert proof.reason.value == "storage_identity_changed"
     assert "shape" in proof.detail and name in proof.detail
 
@@ -229,18 +229,18 @@ def test_wake_up_notices_a_moved_input_buffer():
     r = _bare_runner({"model.layers.0.self_attn.attn": _kv()})
     r.positions = torch.zeros(8, dtype=torch.int64)  # vLLM reallocated a persistent buffer
     r.post_kv_cache_wake_up()
-    proof = r.moe_storage.proof()
+    proof = r.moe_graphs.storage.proof()
     assert proof.reason.value == "storage_identity_changed" and "positions" in proof.detail
 
 
 def test_a_swapped_layer_tensor_is_seen_by_the_per_step_check():
     name = "model.layers.0.self_attn.attn"
     r = _bare_runner({name: _kv()})
-    assert not r._mg_kv_rebound()
+    assert not r.moe_graphs.kv_rebound()
     r.compilation_config.static_forward_context[name].kv_cache = _kv()  # same shape, new tensor
-    assert r._mg_kv_rebound()
-    r._mg_rebind("test swap")
-    assert r.moe_storage.proof().reason.value == "storage_identity_changed"
+    assert r.moe_graphs.kv_rebound()
+    r.moe_graphs.rebind("test swap")
+    assert r.moe_graphs.storage.proof().reason.value == "storage_identity_changed"
 
 
 def test_bind_lets_our_metadata_builders_read_vllm_buffers_in_place():
@@ -279,7 +279,7 @@ def test_our_runner_attributes_do_not_collide_with_vllm():
     ours_src = inspect.getsource(MoeGraphsModelRunner)
     ours = set(re.findall(r"self\.(\w+)\s*(?::[^=]+)?=[^=]", ours_src))
     ours |= {n for n in MoeGraphsModelRunner.__dict__ if not n.startswith("__")}
-    ours -= set(OVERRIDES) | set(CALLED) | {"model"}  # `model` is swapped on purpose (precapture)
+    ours -= set(RUNNER_OVERRIDES) | set(RUNNER_CALLED) | {"model"}  # `model` is swapped on purpose (precapture)
     theirs = set(re.findall(r"self\.(\w+)", inspect.getsource(gpu_model_runner)))
     assert ours and not ours & theirs, sorted(ours & theirs)
 
@@ -298,7 +298,7 @@ def _stepping_runner(warmup_steps: int = 1):
 
     ns = types.SimpleNamespace
     r = _bare_runner({"model.layers.0.self_attn.attn": _kv()})
-    r.moe_storage.check_devices("cpu", "cpu")
+    r.moe_graphs.storage.check_devices("cpu", "cpu")
     r.uniform_decode_query_len = 1
     r.model_config = ns(is_encoder_decoder=False)
     r.input_batch.lora_id_to_lora_request = {}
@@ -311,30 +311,44 @@ def _stepping_runner(warmup_steps: int = 1):
                                                                   BatchDescriptor(num_tokens)))
     r.optimistic_seq_lens_cpu = torch.zeros(8, dtype=torch.int32)
     r.model = lambda input_ids, **_: input_ids.float()[:, None] * 2  # [T, 1]
-    r._mg_executing, r._mg_pending, r._mg_args = True, None, {}
-    r._mg_precapture_key, r._mg_real_model = None, None
-    r._mg_logits, r._mg_fast_step, r._mg_with_logits, r._mg_lean_replay = None, False, False, False
     capture = Emulated()
-    r._mg_graphs = DecodeGraphRunner(r._mg_forward, PluginConfig(warmup_steps=warmup_steps),
-                                     storage=r.moe_storage, capture_fn=capture, new_pool=object)
+    r.moe_graphs.graphs = DecodeGraphRunner(None, PluginConfig(warmup_steps=warmup_steps),
+                                            storage=r.moe_graphs.storage, capture_fn=capture,
+                                            new_pool=object)
     return r, capture, CUDAGraphMode
 
 
-def _step(r, num_reqs: int, query_lens: list[int], metadata: list | None = None):
+@contextlib.contextmanager
+def _in_step(r, num_reqs: int, query_lens: list[int], metadata: list | None = None,
+             fast_inputs: bool = False, executing: bool = True):
+    """execute_model's calls of one step up to the forward, inside its step scope (`executing`;
+    outside: one of vLLM's dummy runs); yields (mode, descriptor, output) with the scope still
+    open (what execute_model does next, e.g. compute_logits, goes in the block);
+    `fast_inputs`: the plugin prepared the inputs (`DecodeInputs`)."""
     import numpy as np
     import torch
 
     num_tokens = sum(query_lens)
     r.optimistic_seq_lens_cpu[:num_reqs] = torch.arange(10, 10 + num_reqs)
-    mode, desc, *_ = r._determine_batch_execution_and_padding(
-        num_tokens, num_reqs, np.array(query_lens, dtype=np.int32), max(query_lens), False)
-    if metadata is not None:  # execute_model's next call, with the padded sizes
-        metadata.append(r._build_attention_metadata(
-            num_tokens, num_reqs, max(query_lens), num_tokens_padded=desc.num_tokens,
-            num_reqs_padded=desc.num_reqs)[0])
-    ids = torch.arange(1, desc.num_tokens + 1, dtype=torch.int32)  # vLLM slices its buffer
-    out = r._model_forward(input_ids=ids, positions=ids.long())
-    return mode, desc, out
+    with r.moe_graphs.step() if executing else contextlib.nullcontext() as scope:
+        if fast_inputs:
+            scope.fast_inputs = True
+        mode, desc, *_ = r._determine_batch_execution_and_padding(
+            num_tokens, num_reqs, np.array(query_lens, dtype=np.int32), max(query_lens), False)
+        if metadata is not None:  # execute_model's next call, with the padded sizes
+            metadata.append(r._build_attention_metadata(
+                num_tokens, num_reqs, max(query_lens), num_tokens_padded=desc.num_tokens,
+                num_reqs_padded=desc.num_reqs)[0])
+        ids = torch.arange(1, desc.num_tokens + 1, dtype=torch.int32)  # vLLM slices its buffer
+        out = r._model_forward(input_ids=ids, positions=ids.long())
+        assert scope is None or scope.plan is None, "the forward consumes the step's plan"
+        yield mode, desc, out
+
+
+def _step(r, num_reqs: int, query_lens: list[int], *args, **kw):
+    """`_in_step` with nothing after the forward."""
+    with _in_step(r, num_reqs, query_lens, *args, **kw) as result:
+        return result
 
 
 class _ToyLM:
@@ -363,25 +377,30 @@ def test_decode_graph_paths_compute_the_logits_inside_the_forward():
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     lm = _ToyLM()
-    r._mg_logits = GraphLogits(lm, max_rows=4)
+    r.moe_graphs.logits = GraphLogits(lm, max_rows=4)
     for expected in ("warm-up", "capture", "replay", "replay"):
-        mode, desc, out = _step(r, 3, [1, 1, 1])
-        # execute_model: hidden_states[logits_indices] with DecodeInputs' slice(0, n)
-        logits = lm.compute_logits(out[slice(0, 3)])
+        with _in_step(r, 3, [1, 1, 1]) as (mode, desc, out):
+            # execute_model: hidden_states[logits_indices] with DecodeInputs' slice(0, n)
+            logits = lm.compute_logits(out[slice(0, 3)])
         assert torch.equal(logits, (out @ lm.lm_head.weight.t())[:, :5]), expected
-        assert logits.data_ptr() == r._mg_logits.buffer.data_ptr(), expected  # the buffer
+        assert logits.data_ptr() == r.moe_graphs.logits.buffer.data_ptr(), expected  # the buffer
         assert lm.stock_calls == 0, expected
-    assert capture.captures == 1 and r._mg_logits.handed_over == 4
+    assert capture.captures == 1 and r.moe_graphs.logits.handed_over == 4
     # the hand-over is taken once, for the exact view: anything else is vLLM's own path
     lm.compute_logits(out[slice(0, 3)])
     assert lm.stock_calls == 1
-    _step(r, 3, [1, 1, 1])
-    lm.compute_logits(out.clone())  # e.g. vLLM's index kernel's copy of the rows
+    with _in_step(r, 3, [1, 1, 1]) as (_, _, out):
+        lm.compute_logits(out.clone())  # e.g. vLLM's index kernel's copy of the rows
     assert lm.stock_calls == 2
+    with _in_step(r, 3, [1, 1, 1]) as (_, _, out):
+        pass  # a step whose logits vLLM never asks for: the hand-over ends with the step
+    lm.compute_logits(out[slice(0, 3)])
+    assert lm.stock_calls == 3
     # a mixed batch's forward has no LM head (all its tokens' rows): vLLM computes
-    _step(r, 2, [5, 1])
-    assert not r._mg_with_logits
-    r._mg_logits.uninstall()
+    with _in_step(r, 2, [5, 1]) as (_, _, out):
+        lm.compute_logits(out[slice(0, 2)])
+    assert lm.stock_calls == 4 and r.moe_graphs.logits.handed_over == 4
+    r.moe_graphs.logits.uninstall()
     assert "compute_logits" not in vars(lm)
 
 
@@ -391,20 +410,20 @@ def test_logits_stay_with_vllm_past_the_buffer_and_on_eager_fallbacks(tmp_path):
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
     lm = _ToyLM()
-    r._mg_logits = GraphLogits(lm, max_rows=2)
-    _, _, out = _step(r, 3, [1, 1, 1])  # bucket 4 > 2 rows: the graph has no LM head
-    assert capture.captures == 1 and not r._mg_with_logits
-    lm.compute_logits(out[slice(0, 3)])
-    assert lm.stock_calls == 1 and r._mg_logits.handed_over == 0
-    _, _, out = _step(r, 2, [1, 1])  # bucket 2: it has
-    lm.compute_logits(out[slice(0, 2)])
-    assert lm.stock_calls == 1 and r._mg_logits.handed_over == 1
+    r.moe_graphs.logits = GraphLogits(lm, max_rows=2)
+    with _in_step(r, 3, [1, 1, 1]) as (_, _, out):  # bucket 4 > 2 rows: no LM head in it
+        lm.compute_logits(out[slice(0, 3)])
+    assert capture.captures == 1
+    assert lm.stock_calls == 1 and r.moe_graphs.logits.handed_over == 0
+    with _in_step(r, 2, [1, 1]) as (_, _, out):  # bucket 2: it has
+        lm.compute_logits(out[slice(0, 2)])
+    assert lm.stock_calls == 1 and r.moe_graphs.logits.handed_over == 1
     kill = tmp_path / "kill"
     kill.touch()
-    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
-    mode, _, out = _step(r, 2, [1, 1])  # the kill switch: eager, vLLM's path throughout
-    assert mode is mode_enum.NONE and not r._mg_with_logits
-    lm.compute_logits(out[slice(0, 2)])
+    r.moe_graphs.graphs._kill = KillSwitch(str(kill), interval_s=0)
+    with _in_step(r, 2, [1, 1]) as (mode, _, out):  # the kill switch: eager, vLLM's path
+        lm.compute_logits(out[slice(0, 2)])
+    assert mode is mode_enum.NONE
     assert lm.stock_calls == 2
 
 
@@ -414,21 +433,20 @@ def test_replayed_fast_steps_build_no_attention_metadata(monkeypatch, tmp_path):
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     monkeypatch.setattr(GPUModelRunner, "_build_attention_metadata",
                         lambda self, *a, **kw: ("built", None))
-    r._mg_lean_replay = r._mg_fast_step = True
+    r.moe_graphs.lean_replay = True
     built = []
     for _ in range(4):  # warm-up, capture (both run the model), replay, replay
-        _step(r, 3, [1, 1, 1], built)
+        _step(r, 3, [1, 1, 1], built, fast_inputs=True)
     assert built == ["built", "built", {}, {}] and capture.replays == 3
-    _step(r, 2, [5, 1], built)  # a mixed batch
-    r._mg_fast_step = False  # inputs prepared by vLLM's path
-    _step(r, 3, [1, 1, 1], built)
-    r._mg_fast_step, r._mg_lean_replay = True, False  # a builder that is not ours
-    _step(r, 3, [1, 1, 1], built)
-    r._mg_lean_replay = True
+    _step(r, 2, [5, 1], built, fast_inputs=True)  # a mixed batch
+    _step(r, 3, [1, 1, 1], built)  # inputs prepared by vLLM's path
+    r.moe_graphs.lean_replay = False  # a builder that is not ours
+    _step(r, 3, [1, 1, 1], built, fast_inputs=True)
+    r.moe_graphs.lean_replay = True
     kill = tmp_path / "kill"
     kill.touch()
-    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
-    _step(r, 3, [1, 1, 1], built)  # eager fallback
+    r.moe_graphs.graphs._kill = KillSwitch(str(kill), interval_s=0)
+    _step(r, 3, [1, 1, 1], built, fast_inputs=True)  # eager fallback
     assert built[4:] == ["built"] * 4
 
 
@@ -440,7 +458,6 @@ def test_decode_steps_pad_to_the_bucket_warm_up_capture_replay_and_slice():
         assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (4, 4), expected
         assert out.shape == (3, 1) and out[:, 0].tolist() == [2.0, 4.0, 6.0], expected
     assert capture.captures == 1 and capture.replays == 3  # one replay right after capture
-    assert r._mg_pending is None
 
 
 def test_mixed_batch_runs_eager_unpadded_and_keeps_every_token():
@@ -457,29 +474,28 @@ def test_kill_switch_runs_decode_eager_unpadded(tmp_path):
     _step(r, 3, [1, 1, 1])  # captured
     kill = tmp_path / "kill"
     kill.touch()
-    r._mg_graphs._kill = KillSwitch(str(kill), interval_s=0)
+    r.moe_graphs.graphs._kill = KillSwitch(str(kill), interval_s=0)
     mode, desc, out = _step(r, 3, [1, 1, 1])
     assert mode is mode_enum.NONE and desc.num_tokens == 3 and out.shape == (3, 1)
-    assert capture.replays == 1 and r._mg_graphs.keys  # graphs kept, none replayed
+    assert capture.replays == 1 and r.moe_graphs.graphs.keys  # graphs kept, none replayed
 
 
 def test_swapped_kv_tensor_drops_graphs_before_the_next_replay():
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
     _step(r, 3, [1, 1, 1])
-    assert r._mg_graphs.keys
+    assert r.moe_graphs.graphs.keys
     r.compilation_config.static_forward_context["model.layers.0.self_attn.attn"].kv_cache = _kv()
     mode, desc, out = _step(r, 3, [1, 1, 1])
     # caught in the per-step check: graphs dropped; the bare runner has no layer registry, so
     # no fresh bind happens and the step runs eager with the storage's reason
-    assert not r._mg_graphs.keys and capture.replays == 1
+    assert not r.moe_graphs.graphs.keys and capture.replays == 1
     assert mode is mode_enum.NONE and out.shape == (3, 1)
-    assert r.moe_storage.proof().reason.value == "storage_identity_changed"
+    assert r.moe_graphs.storage.proof().reason.value == "storage_identity_changed"
 
 
 def test_dummy_runs_outside_execute_model_are_left_to_vllm():
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
-    r._mg_executing = False
-    mode, desc, out = _step(r, 3, [1, 1, 1])
+    mode, desc, out = _step(r, 3, [1, 1, 1], executing=False)
     assert mode is mode_enum.NONE and desc.num_tokens == 3 and capture.captures == 0
 
 
@@ -492,16 +508,17 @@ def test_precapture_plans_each_key_at_its_context_bucket():
 
     import torch
 
-    from vllm_moe_graphs.graphs.buckets import GraphKey
-    from vllm_moe_graphs.graphs.buckets import graph_config
+    from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
+    from vllm_moe_graphs.integration.precapture import PrecaptureModel
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=3)
     r.max_model_len = 4096
-    config = graph_config(dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)),
-                          4, r.max_model_len)
+    config = graph_config(
+        dataclasses.replace(r.moe_graphs.graphs.config, decode_batch_buckets=(2, 4)), 4,
+        r.max_model_len)
     assert config.context_buckets == (2048, 4096)
-    r._mg_graphs.config = config
-    r.moe_config = dataclasses.replace(r.moe_config, precapture=True)
+    r.moe_graphs.graphs.config = config
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, precapture=True)
     calls = []
 
     def dummy_run(num_tokens, **kw):  # what vLLM's _dummy_run does with the model, in short
@@ -516,17 +533,15 @@ def test_precapture_plans_each_key_at_its_context_bucket():
         return r.model(input_ids=ids, positions=ids.long())
 
     r._dummy_run = dummy_run
-    r._mg_executing = False
     r.max_num_tokens, r.input_batch.block_table = 64, types.SimpleNamespace(
         compute_slot_mapping=lambda *a: None)
     r.capture_model()
     assert [(n, kw["profile_seq_lens"]) for n, kw in calls] == [
         (4, 4096), (4, 2048), (2, 4096), (2, 2048)]
     assert all(kw["cudagraph_runtime_mode"] is mode_enum.FULL for _, kw in calls)
-    assert r._mg_graphs.keys == tuple(sorted(GraphKey(b, c) for b in (2, 4)
-                                             for c in (2048, 4096)))
-    assert capture.captures == 4 and r._mg_precapture_key is None
-    r._mg_executing = True
+    assert r.moe_graphs.graphs.keys == tuple(sorted(GraphKey(b, c) for b in (2, 4)
+                                                    for c in (2048, 4096)))
+    assert capture.captures == 4 and not isinstance(r.model, PrecaptureModel)
     mode, desc, out = _step(r, 3, [1, 1, 1])  # contexts 10..12: key (4, 2048), no warm-up
     assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
@@ -547,8 +562,8 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     r.max_model_len, r.max_num_tokens = 4096, 8192
-    r._mg_graphs.config = graph_config(
-        dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)), 4, 4096)
+    r.moe_graphs.graphs.config = graph_config(
+        dataclasses.replace(r.moe_graphs.graphs.config, decode_batch_buckets=(2, 4)), 4, 4096)
     calls, slots = [], []
 
     def dummy_run(num_tokens, **kw):  # vLLM's _dummy_run, in short: decide, then the model
@@ -563,7 +578,6 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
     r._dummy_run = dummy_run
     r.input_batch.block_table = types.SimpleNamespace(
         compute_slot_mapping=lambda *a: slots.append(a))
-    r._mg_executing = False
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         assert r.capture_model() == 0
     decode = [(n, kw["profile_seq_lens"]) for n, kw in calls if kw.get("uniform_decode")]
@@ -577,7 +591,7 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
     assert all(kw["force_attention"] and kw["cudagraph_runtime_mode"] is mode_enum.NONE
                for _, kw in calls)
     assert len(slots) == 1 and slots[0][0] == 1 and slots[0][1].tolist() == [0, 1]
-    assert capture.captures == 0 and r._mg_graphs.keys == () and r._mg_pending is None
+    assert capture.captures == 0 and r.moe_graphs.graphs.keys == ()
     assert "kernels warmed up before serving (4 decode batches, 7 prefill batches" in caplog.text
     r.max_model_len = 24  # a short engine: only the tile sizes that fit, every seq_len in bounds
     calls.clear()
@@ -611,8 +625,8 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     monkeypatch.setattr(triton_moe, "try_get_optimal_moe_config", lookup)
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     r.max_model_len, r.max_num_tokens = 64, 100
-    r._mg_graphs.config = graph_config(
-        dataclasses.replace(r._mg_graphs.config, decode_batch_buckets=(2, 4)), 4, 64)
+    r.moe_graphs.graphs.config = graph_config(
+        dataclasses.replace(r.moe_graphs.graphs.config, decode_batch_buckets=(2, 4)), 4, 64)
     calls = []
 
     def dummy_run(num_tokens, **kw):  # the MoE layers look their config up per batch
@@ -621,7 +635,6 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
 
     r._dummy_run = dummy_run
     r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
-    r._mg_executing = False
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         r.capture_model()
     assert triton_moe.try_get_optimal_moe_config is lookup

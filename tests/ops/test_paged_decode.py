@@ -14,7 +14,7 @@ from vllm_moe_graphs.ops import (
     decode_workspace_shape,
     paged_decode_attention,
 )
-from vllm_moe_graphs.ops import paged_decode as pd
+from vllm_moe_graphs.ops import decode_plan as pd
 from vllm_moe_graphs.ops.reference import reference_paged_decode
 
 from .conftest import (

@@ -17,7 +17,7 @@ from vllm_moe_graphs.ops import (
     small_m_linear,
     small_m_workspace_numel,
 )
-from vllm_moe_graphs.ops import small_m_gemm as smg
+from vllm_moe_graphs.ops import small_m_plan as smg
 
 from .conftest import assert_close_to_ref, poisoned
 

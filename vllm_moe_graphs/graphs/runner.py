@@ -2,19 +2,24 @@
 
 Lifecycle: warmup -> capture -> replay -> invalidate -> close.
 
-    runner = DecodeGraphRunner(forward, config, storage=storage, kill_switch=ks, metrics=rec)
+    runner = DecodeGraphRunner(forward, config, storage=storage, kill_switch=ks)
     d = runner.decide(num_reqs, max_context, is_pure_decode)   # host only, before padding
     # caller fills the static input buffers: real rows first, then padding up to d.batch_size
     # (slot -1, seq_len 0)
-    out, d = runner.run(num_reqs, max_context, is_pure_decode, decision=d)  # [num_reqs, ...]
+    out, d = runner.run(d)                # [num_reqs, ...]; run(d, forward=f) for this step's
+    out, d = runner.step(num_reqs, max_context, is_pure_decode)   # decide + run, in one call
     runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)   # drops graphs and the pool
     runner.close()                                       # idempotent
 
 The runner owns neither inputs nor model: `forward(batch_size)` runs the model on the caller's
-static input buffers (the first `batch_size` rows) and returns the static output tensor. A key
+static input buffers (the first `batch_size` rows) and returns the static output tensor; it is
+given once (constructor) or per call (`run`, `precapture`), where a step's inputs live in the
+caller's step. A key
 (see `buckets.GraphKey`) runs `warmup_steps` eager steps at its padded size, is then captured
 into the one shared memory pool and replayed from then on. Every graph remembers the KV storage
-generation it was captured under; replay first asks `storage.check_replay`. No vLLM import.
+generation it was captured under; replay first asks `storage.check_replay`. Replays, fallbacks,
+captures and memory are counted in `runner.stats` (a plain `GraphStats`; the integration layer
+publishes it as metrics). No vLLM import.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ import torch
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key
+from vllm_moe_graphs.graphs.stats import GraphStats
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.killswitch import KillSwitch
     from vllm_moe_graphs.kv.storage import PagedKVStorage
-    from vllm_moe_graphs.metrics import MetricsRecorder
 
 logger = logging.getLogger("vllm.moe_graphs")  # under vLLM's log handler
 
@@ -137,12 +142,11 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        forward: Forward,
+        forward: Forward | None,
         config: PluginConfig,
         *,
         storage: PagedKVStorage | None = None,
         kill_switch: KillSwitch | None = None,
-        metrics: MetricsRecorder | None = None,
         capture_fn: CaptureFn | None = None,
         new_pool: Callable[[], object] | None = None,
         before_capture: Callable[[], None] | None = None,
@@ -152,7 +156,7 @@ class DecodeGraphRunner:
         self.config = config
         self._storage = storage
         self._kill = kill_switch
-        self._metrics = metrics
+        self.stats = GraphStats()
         self._before_capture = before_capture
         self._before_replay = before_replay
         if capture_fn is None:
@@ -169,7 +173,6 @@ class DecodeGraphRunner:
         self._quarantined: dict[GraphKey, str] = {}  # key -> error; for the runner's life
         self._pool: object | None = None
         self._pool_bytes = 0
-        self._scratch_bytes = 0
         self._closed = False
         self._unsubscribe = (storage.on_invalidate(self._on_storage_invalidate)
                              if storage is not None else None)
@@ -199,7 +202,7 @@ class DecodeGraphRunner:
 
     @property
     def scratch_bytes(self) -> int:
-        return self._scratch_bytes
+        return self.stats.scratch_bytes
 
     @property
     def closed(self) -> bool:
@@ -239,41 +242,47 @@ class DecodeGraphRunner:
         return Decision(Action.CAPTURE, key, Reason.ELIGIBLE, num_reqs)
 
     # -- run -------------------------------------------------------------------------------------
-    def run(self, num_reqs: int, max_context: int, is_pure_decode: bool,
-            decision: Decision | None = None) -> tuple[torch.Tensor, Decision]:
-        """Run one decode step; returns the output's first `num_reqs` rows and the decision.
-        Pass the `decision` from `decide()` when the caller padded by it."""
+    def step(self, num_reqs: int, max_context: int, is_pure_decode: bool,
+             forward: Forward | None = None) -> tuple[torch.Tensor, Decision]:
+        """`decide()` then `run()`, for a caller whose buffers need no padding by the decision."""
+        return self.run(self.decide(num_reqs, max_context, is_pure_decode), forward)
+
+    def run(self, decision: Decision,
+            forward: Forward | None = None) -> tuple[torch.Tensor, Decision]:
+        """Run one decode step as `decision` (from `decide()`, which the caller padded its
+        buffers by) says, through `forward` (default: the constructor's); returns the output's
+        first `decision.num_reqs` rows and the decision as run (a failed capture runs eager)."""
         self._check_open("run")
-        d = decision if decision is not None else self.decide(num_reqs, max_context,
-                                                              is_pure_decode)
-        assert d.num_reqs == num_reqs, f"decision for {d.num_reqs} rows used for {num_reqs}"
+        d, num_reqs = decision, decision.num_reqs
+        fwd = self._forward_fn(forward)
         if d.action is Action.REPLAY:
             out = self._replay(self._graphs[d.key].graph)
         elif d.action is Action.CAPTURE:
-            graph = self._capture(d.key)
+            graph = self._capture(d.key, fwd)
             if graph is None:  # quarantined (policy QUARANTINE): this step runs eager
                 d = Decision(Action.EAGER, d.key, Reason.CAPTURE_FAILED, num_reqs)
-                out = self._forward(num_reqs)
+                out = fwd(num_reqs)
             else:
                 out = self._replay(graph)  # capture only records: replay for the output
         elif d.warming_up:
-            out = self._forward(d.batch_size)
+            out = fwd(d.batch_size)
             self._warm[d.key] = self._warm.get(d.key, 0) + 1
         else:
-            out = self._forward(num_reqs)
-        if self._metrics is not None:  # after the step, never inside a captured region
-            if d.action is not Action.EAGER:
-                self._metrics.replay()
-            elif not d.warming_up:
-                self._metrics.fallback(d.reason)
+            out = fwd(num_reqs)
+        if d.action is not Action.EAGER:
+            self.stats.replays += 1
+        elif not d.warming_up:
+            self.stats.fallback(d.reason)
         return out[:num_reqs], d  # [num_reqs, ...]: padding rows never leave the runner
 
     def precapture(self, keys: Iterable[GraphKey] | None = None,
-                   prepare: Callable[[GraphKey], None] | None = None) -> dict[GraphKey, Reason]:
+                   prepare: Callable[[GraphKey], None] | None = None,
+                   forward: Forward | None = None) -> dict[GraphKey, Reason]:
         """Capture `keys` (default: every bucket pair) at start-up, largest batch first.
         `prepare(key)` fills the static buffers with a padded dummy batch for that key.
         Returns key -> ELIGIBLE (captured or already live) or why it was not captured."""
         self._check_open("precapture")
+        fwd = self._forward_fn(forward)
         keys = self.all_keys() if keys is None else tuple(sorted(keys, reverse=True))
         out: dict[GraphKey, Reason] = {}
         for key in keys:
@@ -281,7 +290,7 @@ class DecodeGraphRunner:
             if reason is None:
                 if prepare is not None:
                     prepare(key)
-                reason = Reason.ELIGIBLE if self._capture(key) else Reason.CAPTURE_FAILED
+                reason = Reason.ELIGIBLE if self._capture(key, fwd) else Reason.CAPTURE_FAILED
             out[key] = reason
         return out
 
@@ -289,8 +298,7 @@ class DecodeGraphRunner:
         """Bytes of the caller's static buffers and scratch (reported as metrics)."""
         if n < 0:
             raise ValueError(f"scratch bytes {n!r} must be >= 0")
-        self._scratch_bytes = n
-        self._record_memory()
+        self.stats.scratch_bytes = n
 
     # -- lifecycle -------------------------------------------------------------------------------
     def invalidate(self, reason: Reason, detail: str = "") -> None:
@@ -302,7 +310,6 @@ class DecodeGraphRunner:
             logger.info("moe_graphs: dropping %d decode graphs (%s%s)", len(self._graphs),
                         reason.value, f": {detail}" if detail else "")
         self._drop()
-        self._record_memory()
 
     def close(self) -> None:
         """Drop graphs and the pool, unsubscribe from the storage; idempotent."""
@@ -313,11 +320,16 @@ class DecodeGraphRunner:
             self._unsubscribe()
             self._unsubscribe = None
         self._closed = True
-        self._record_memory()
 
     # -- internals -------------------------------------------------------------------------------
     def _on_storage_invalidate(self, reason: Reason, detail: str) -> None:
         self.invalidate(reason, detail)
+
+    def _forward_fn(self, forward: Forward | None) -> Forward:
+        fwd = forward if forward is not None else self._forward
+        if fwd is None:
+            raise TypeError("DecodeGraphRunner: no forward (pass one to the constructor or call)")
+        return fwd
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -342,7 +354,7 @@ class DecodeGraphRunner:
         graph.replay()
         return graph.output
 
-    def _capture(self, key: GraphKey) -> CapturedGraph | None:
+    def _capture(self, key: GraphKey, forward: Forward) -> CapturedGraph | None:
         """Capture `key`; None when it failed and was quarantined (policy QUARANTINE)."""
         assert key not in self._graphs, f"{key} is already captured"
         if self._pool is None:
@@ -351,12 +363,11 @@ class DecodeGraphRunner:
         batch = key.batch_bucket
         start = time.perf_counter()
         try:
-            graph = self._capture_fn(lambda: self._forward(batch), self._pool,
+            graph = self._capture_fn(lambda: forward(batch), self._pool,
                                      self._before_capture)
         except Exception as exc:  # noqa: BLE001 - any capture error quarantines the key
             self._quarantined[key] = f"{type(exc).__name__}: {exc}"
-            if self._metrics is not None:
-                self._metrics.capture_failure()
+            self.stats.capture_failures += 1
             if self.config.capture_failure_policy is CaptureFailurePolicy.RAISE:
                 raise RuntimeError(
                     f"decode graph capture failed for {key} ({type(exc).__name__}: {exc}); "
@@ -369,13 +380,13 @@ class DecodeGraphRunner:
         seconds = time.perf_counter() - start
         self._graphs[key] = _Graph(graph, generation)
         self._pool_bytes += graph.pool_bytes
+        self.stats.pool_bytes = self._pool_bytes
         if self._pool_bytes >= self._budget_bytes:
             logger.warning("moe_graphs: graph pool at %.1f MiB reached the budget of %d MiB; "
                            "further captures are denied (%s)", self._pool_bytes / _MIB,
                            self.config.graph_memory_budget_mib, REMEDY[Reason.MEMORY_BUDGET])
-        if self._metrics is not None:
-            self._metrics.capture(seconds)
-        self._record_memory()
+        self.stats.captures += 1
+        self.stats.capture_seconds.append(seconds)
         return graph
 
     def _drop(self) -> None:
@@ -384,8 +395,4 @@ class DecodeGraphRunner:
             entry.graph.release()
         self._warm.clear()
         self._pool = None
-        self._pool_bytes = 0
-
-    def _record_memory(self) -> None:
-        if self._metrics is not None:
-            self._metrics.set_memory(self._pool_bytes, self._scratch_bytes)
+        self._pool_bytes = self.stats.pool_bytes = 0

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_moe_graphs.integration.patch import compute_logits
+
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
 
@@ -99,12 +101,10 @@ class GraphLogits:
         self.buffer = torch.empty(max_rows, weight.shape[0], dtype=weight.dtype,
                                   device=weight.device)
         self._model = model
-        self._stock = model.compute_logits  # the bound method vLLM's runner calls
         self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.handed_over = 0  # steps whose logits came from the forward (tests, diagnostics)
-        # NOTE: an instance attribute shadows the class method for this model object only;
-        # `uninstall()` removes it.
-        model.compute_logits = self._compute_logits
+        # the bound method vLLM's runner calls, shadowed for this model object only
+        self._stock = compute_logits.install(model, self._compute_logits)
 
     @property
     def nbytes(self) -> int:
@@ -126,8 +126,7 @@ class GraphLogits:
 
     def uninstall(self) -> None:
         self._handed = None
-        if self._model.__dict__.get("compute_logits") == self._compute_logits:
-            del self._model.compute_logits
+        compute_logits.uninstall(self._model, self._compute_logits)
 
     def _compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         handed, self._handed = self._handed, None

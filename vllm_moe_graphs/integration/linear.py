@@ -33,12 +33,13 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-from vllm_moe_graphs.ops.small_m_gemm import (
+from vllm_moe_graphs.integration.patch import linear_quant_method
+from vllm_moe_graphs.ops.small_m_gemm import small_m_linear
+from vllm_moe_graphs.ops.small_m_plan import (
     MAX_M,
     SmallMGemmConfig,
     choose_small_m_config,
     device_num_sms,
-    small_m_linear,
     small_m_workspace_numel,
 )
 
@@ -108,7 +109,7 @@ def install_small_m_gemm(model: torch.nn.Module,
     methods = {}
     for name, module in layers.items():
         method = SmallMLinearMethod(configs[name], workspace)
-        module.quant_method = method
+        linear_quant_method.install(module, method)
         methods[name] = method
     logger.info("moe_graphs: small-M GEMM on %d linear layers (%s; <= %d rows; workspace "
                 "%.1f MiB)", len(methods), "auto" if which == "auto" else "all eligible", MAX_M,

@@ -30,7 +30,7 @@ from vllm_moe_graphs.capability import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from vllm_moe_graphs.kv.storage import StorageIdentity
+    from vllm_moe_graphs.kv.identity import StorageIdentity
 
 CONFIG_PROOF = "model_config"
 CLASS_PROOF = "model_class"

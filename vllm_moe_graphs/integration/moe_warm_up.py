@@ -30,9 +30,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_moe_graphs.integration.patch import moe_config_lookup
+from vllm_moe_graphs.integration.patch.moe_config_lookup import CONFIG_FUNCTION
+
 logger = logging.getLogger("vllm.moe_graphs")
 
-CONFIG_FUNCTION = "try_get_optimal_moe_config"  # in vllm...fused_moe.experts.triton_moe
 CONFIG_PARAMETERS = ("w1_shape", "w2_shape", "top_k", "dtype", "M", "block_shape")
 
 
@@ -73,26 +75,27 @@ def recording_moe_configs() -> Iterator[list[MoeCall]]:
     if module is None:
         yield found
         return
-    original = getattr(module, CONFIG_FUNCTION)
-    signature = inspect.signature(original)
     seen: set[str] = set()
 
-    def recording(*args: Any, **kwargs: Any) -> dict:
-        bound = signature.bind(*args, **kwargs)
-        rest = {k: v for k, v in bound.arguments.items() if k != "M"}
-        key = repr(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v)
-                          for k, v in rest.items()))
-        if key not in seen:
-            seen.add(key)
-            found.append(MoeCall(lambda m, rest=rest: original(**rest, M=m),
-                                 num_experts=int(rest["w2_shape"][0]), top_k=int(rest["top_k"])))
-        return original(*args, **kwargs)
+    def recording_of(original: Callable[..., dict]) -> Callable[..., dict]:
+        signature = inspect.signature(original)
 
-    setattr(module, CONFIG_FUNCTION, recording)
-    try:
+        def recording(*args: Any, **kwargs: Any) -> dict:
+            bound = signature.bind(*args, **kwargs)
+            rest = {k: v for k, v in bound.arguments.items() if k != "M"}
+            key = repr(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v)
+                              for k, v in rest.items()))
+            if key not in seen:
+                seen.add(key)
+                found.append(MoeCall(lambda m, rest=rest: original(**rest, M=m),
+                                     num_experts=int(rest["w2_shape"][0]),
+                                     top_k=int(rest["top_k"])))
+            return original(*args, **kwargs)
+
+        return recording
+
+    with moe_config_lookup.replaced(module, recording_of):
         yield found
-    finally:
-        setattr(module, CONFIG_FUNCTION, original)
 
 
 def moe_token_counts(calls: Iterable[MoeCall], limit: int, done: Iterable[int] = ()) -> list[int]:

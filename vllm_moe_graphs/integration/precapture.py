@@ -9,8 +9,8 @@ then, for MoE models, the token counts that reach every variant of vLLM's fused-
 (`moe_warm_up.py`); nothing is captured.
 
 Precapture: vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
-metadata, forward context) and calls the model; `PrecaptureModel` stands in for the model there
-and captures that key."""
+metadata, forward context) and calls the model; inside `GraphLifecycle.capturing(key)`,
+`PrecaptureModel` stands in for the model there and captures that key."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.integration.moe_warm_up import moe_token_counts, recording_moe_configs
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 
 logger = logging.getLogger("vllm.moe_graphs")
@@ -34,38 +34,30 @@ logger = logging.getLogger("vllm.moe_graphs")
 PREFILL_WARM_UP_TOKENS = (2, 4, 8, 16, 32, 64)  # ops/prefill.py: BLOCK_Q <= 64 query tokens
 
 
-def precapture_all(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner) -> int:
+def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> int:
     """Warm the kernels up, then capture every key when configured (else log the lazy plan);
     returns the pool bytes."""
-    warm_up_kernels(runner, graphs, decode_keys=not runner.moe_config.precapture)
-    if not runner.moe_config.precapture:
+    config, graphs = lifecycle.config, lifecycle.graphs
+    warm_up_kernels(runner, graphs, decode_keys=not config.precapture)
+    if not config.precapture:
         logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
-                    "bucket after %d warm-up steps", runner.moe_config.warmup_steps)
+                    "bucket after %d warm-up steps", config.warmup_steps)
         return 0
     keys = graphs.all_keys()
     logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
     start = time.perf_counter()
-    real = runner._mg_real_model = runner.model
-    try:
-        for i, key in enumerate(keys):
-            runner._mg_precapture_key = key
-            runner.model = PrecaptureModel(runner, key)
-            try:
-                # NOTE: every row at the key's context bucket, as a real step of that key
-                # would plan it (the decode kernel's split count is a function of the
-                # bucket). vLLM's capture flag would plan every key for max_model_len.
-                runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                                  uniform_decode=True, skip_eplb=True, remove_lora=False,
-                                  is_graph_capturing=False,
-                                  profile_seq_lens=key.context_bucket)  # <= max_model_len
-            finally:
-                runner.model = real
-                runner._mg_precapture_key = None
-            if (i + 1) % 8 == 0 or i + 1 == len(keys):
-                logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
-                            time.perf_counter() - start)
-    finally:
-        runner._mg_real_model = None
+    for i, key in enumerate(keys):
+        with lifecycle.capturing(key):
+            # NOTE: every row at the key's context bucket, as a real step of that key would
+            # plan it (the decode kernel's split count is a function of the bucket). vLLM's
+            # capture flag would plan every key for max_model_len.
+            runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                              uniform_decode=True, skip_eplb=True, remove_lora=False,
+                              is_graph_capturing=False,
+                              profile_seq_lens=key.context_bucket)  # <= max_model_len
+        if (i + 1) % 8 == 0 or i + 1 == len(keys):
+            logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
+                        time.perf_counter() - start)
     return graphs.pool_bytes
 
 
@@ -137,24 +129,16 @@ def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
 
 
 class PrecaptureModel:
-    """Stands in for `runner.model` during `capture_model`: vLLM's `_dummy_run` prepares a padded
-    decode batch under its forward context and calls the model; this captures that key (with
-    the LM head inside when a real step of the key would have it, `logits_in_graph`)."""
+    """Stands in for `runner.model` inside `GraphLifecycle.capturing(key)`: vLLM's `_dummy_run`
+    prepares a padded decode batch under its forward context and calls the model; this captures
+    that key (with the LM head inside when a real step of the key would have it,
+    `logits_in_graph`)."""
 
-    def __init__(self, runner: MoeGraphsModelRunner, key: GraphKey) -> None:
-        self._runner, self._key = runner, key
+    def __init__(self, lifecycle: GraphLifecycle, key: GraphKey) -> None:
+        self._lifecycle, self._key = lifecycle, key
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:
-        r = self._runner
-        r._mg_args = kwargs
-        r._mg_with_logits = r._mg_logits_for(self._key)
-        graphs = r._mg_graphs
-        try:
-            result = graphs.precapture([self._key])[self._key]
-        finally:
-            r._mg_with_logits = False
-        out = graphs.output(self._key) if result is Reason.ELIGIBLE else None
-        return out if out is not None else r._mg_model(**kwargs)
+        return self._lifecycle.capture(self._key, kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner._mg_model, name)
+        return getattr(self._lifecycle.model, name)

@@ -22,10 +22,11 @@ bf16.
 from __future__ import annotations
 
 import logging
-import types
 from typing import Any
 
 import torch
+
+from vllm_moe_graphs.integration.patch import attention_forward
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -103,7 +104,7 @@ def install_fused_qk_norm_rope(model: torch.nn.Module) -> dict[str, str]:
     for name, module in owners.items():
         why = refusal(module)
         if why is None:
-            module.forward = types.MethodType(fused_forward, module)
+            attention_forward.install(module, fused_forward)
         out[name] = why or "fused"
     fused = sum(v == "fused" for v in out.values())
     logger.info("moe_graphs: fused q/k norm + RoPE in %d of %d attention layers%s", fused,

@@ -8,8 +8,8 @@ Selected with `parallel_config.worker_cls =
     self.model_runner = GPUModelRunnerV1(self.vllm_config, self.device)
 
 i.e. it reads the *module attribute* at call time. `init_device` below swaps that attribute for
-our subclass around `super().init_device()` and restores it in `finally`, so no vLLM code is
-copied. The V2 runner (`use_v2_model_runner`, dense Qwen3 unless `VLLM_USE_V2_MODEL_RUNNER=0`)
+our subclass around `super().init_device()` and restores it after
+(`integration/patch/runner_class.py`), so no vLLM code is copied. The V2 runner (`use_v2_model_runner`, dense Qwen3 unless `VLLM_USE_V2_MODEL_RUNNER=0`)
 is left alone: the plugin stays inactive there (DESIGN.md section 2).
 
 Start-up: before the device is initialised, the process's heap (vLLM, torch, the model code:
@@ -24,25 +24,26 @@ first); GPU memory cannot be held by it, since nothing on the device exists yet.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from vllm.v1.worker import gpu_model_runner as _runner_module
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner, check_override_points
-from vllm_moe_graphs.integration.signatures import IncompatibleVllmError, check_parameters
+from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
+from vllm_moe_graphs.integration.patch import runner_class
+from vllm_moe_graphs.integration.signatures import (
+    IncompatibleVllmError,
+    check_parameters,
+    check_runner_points,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm.moe_graphs")
 
-RUNNER_ATTRIBUTE = "GPUModelRunner"  # in vllm.v1.worker.gpu_model_runner
 WORKER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "__init__": ("self", "vllm_config", "local_rank", "rank", "distributed_init_method",
                  "is_driver_worker"),
@@ -55,32 +56,7 @@ def check_worker_points(base: type = Worker) -> None:
     for name, expected in WORKER_OVERRIDES.items():
         check_parameters(f"{base.__module__}.{base.__qualname__}.{name}", getattr(base, name),
                          expected)
-    if not isinstance(getattr(_runner_module, RUNNER_ATTRIBUTE, None), type):
-        raise IncompatibleVllmError(
-            f"{_runner_module.__name__}.{RUNNER_ATTRIBUTE} is not a class in the installed "
-            "vLLM; the runner cannot be substituted. Set MOE_GRAPHS_DISABLE=1 to run stock vLLM.")
-
-
-@contextlib.contextmanager
-def runner_class_substituted(cls: type) -> Iterator[None]:
-    """Make `vllm.v1.worker.gpu_model_runner.GPUModelRunner` be `cls` inside the block; the
-    original is restored on exit, also when the block raises.
-
-    # NOTE: the module attribute is process-global. Inside the block, any code that reads it
-    # (another thread, or a module first imported during `Worker.init_device` that does
-    # `from vllm.v1.worker.gpu_model_runner import GPUModelRunner` at import time and keeps the
-    # name) sees our subclass; such a module keeps it after the block. A subclass keeps
-    # `isinstance` checks true, but `type(x) is GPUModelRunner` would differ. Keep the block
-    # to the one `super().init_device()` call; a worker process initialises one device, once.
-    """
-    original = getattr(_runner_module, RUNNER_ATTRIBUTE)
-    if not (isinstance(original, type) and issubclass(cls, original)):
-        raise TypeError(f"{cls.__qualname__} must subclass {original!r}")
-    setattr(_runner_module, RUNNER_ATTRIBUTE, cls)
-    try:
-        yield
-    finally:
-        setattr(_runner_module, RUNNER_ATTRIBUTE, original)
+    runner_class.check()
 
 
 def freeze_import_heap() -> tuple[int, float]:
@@ -101,7 +77,7 @@ class MoeGraphsWorker(Worker):
     def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
                  distributed_init_method: str, is_driver_worker: bool = False) -> None:
         check_worker_points()
-        check_override_points()
+        check_runner_points()
         super().__init__(vllm_config, local_rank, rank, distributed_init_method,
                          is_driver_worker=is_driver_worker)
 
@@ -115,11 +91,12 @@ class MoeGraphsWorker(Worker):
         logger.info("moe_graphs: %d start-up objects frozen out of the cyclic GC before the "
                     "device is initialised (%.2f s; vLLM's start-up collections skip them)",
                     frozen, seconds)
-        with runner_class_substituted(self.runner_cls):
+        with runner_class.substituted(self.runner_cls):
             super().init_device()
         if type(self.model_runner) is not self.runner_cls:
             raise IncompatibleVllmError(
                 f"Worker.init_device built {type(self.model_runner).__qualname__}, not "
                 f"{self.runner_cls.__qualname__}: the installed vLLM no longer reads "
-                f"{_runner_module.__name__}.{RUNNER_ATTRIBUTE} when it builds the runner. Set "
+                f"vllm.v1.worker.gpu_model_runner.{runner_class.RUNNER_ATTRIBUTE} when it "
+                "builds the runner. Set "
                 "MOE_GRAPHS_DISABLE=1 to run stock vLLM.")

@@ -6,16 +6,14 @@ Importing this package imports torch but neither vLLM nor triton. The write proo
 
 from __future__ import annotations
 
-from vllm_moe_graphs.kv.storage import (
-    InvalidationListener,
-    InvalidationSink,
+from vllm_moe_graphs.kv.identity import (
     LayerIdentity,
-    PagedKVStorage,
     Phase,
     StorageIdentity,
     TensorIdentity,
     layer_index_from_name,
 )
+from vllm_moe_graphs.kv.storage import InvalidationListener, InvalidationSink, PagedKVStorage
 
 __all__ = [
     "InvalidationListener",

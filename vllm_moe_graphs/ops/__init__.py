@@ -15,18 +15,18 @@ from vllm_moe_graphs.ops.kv_write import (
     split_kv_cache,
     write_kv,
 )
-from vllm_moe_graphs.ops.paged_decode import (
+from vllm_moe_graphs.ops.decode_plan import (
     DecodeKernelConfig,
     allocate_decode_workspace,
     choose_num_splits,
     decode_workspace_shape,
-    paged_decode_attention,
 )
+from vllm_moe_graphs.ops.paged_decode import paged_decode_attention
 from vllm_moe_graphs.ops.prefill import PrefillKernelConfig, paged_prefill_attention
-from vllm_moe_graphs.ops.small_m_gemm import (
+from vllm_moe_graphs.ops.small_m_gemm import small_m_linear
+from vllm_moe_graphs.ops.small_m_plan import (
     SmallMGemmConfig,
     choose_small_m_config,
-    small_m_linear,
     small_m_workspace_numel,
 )
 

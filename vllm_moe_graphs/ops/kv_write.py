@@ -125,6 +125,68 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def kv_cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """The (block, slot, head) strides of the K cache, then of the V cache: what every paged
+    kernel takes to address [NB, BS, Hkv, D] views (D has unit stride)."""
+    return (*key_cache.stride()[:3], *value_cache.stride()[:3])
+
+
+def check_attention_io(query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, scale: object,
+                       rows: str) -> tuple[int, int, int, int, int]:
+    """The checks every paged attention launcher makes of its query [R, Hq, D], out (same
+    shape and dtype), caches and scale (a Python float: a tensor would force a host sync);
+    `rows` names R in messages. Returns (R, Hq, D, block size, Hkv)."""
+    if isinstance(scale, torch.Tensor):
+        raise ValueError("scale must be a Python float: a tensor would force a host sync")
+    head_size = query.shape[-1]
+    check_head_size(head_size)
+    check_dtype(query.dtype)
+    block_size, num_kv_heads = check_kv_caches(key_cache, value_cache, head_size)
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [{rows}, num_q_heads, head_size], got {tuple(query.shape)}")
+    num_rows, num_q_heads = query.shape[0], query.shape[1]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    check_token_tensor("query", query, num_q_heads, head_size)
+    check_token_tensor("out", out, num_q_heads, head_size)
+    if out.shape[0] != num_rows:
+        raise ValueError(f"out has {out.shape[0]} rows, query has {num_rows}")
+    if query.dtype != key_cache.dtype or out.dtype != query.dtype:
+        raise ValueError(
+            f"query, out and cache dtypes must match, got {query.dtype}, {out.dtype}, "
+            f"{key_cache.dtype}"
+        )
+    return num_rows, num_q_heads, head_size, block_size, num_kv_heads
+
+
+@triton.jit
+def load_kv_tile(bt_row, k_base, v_base, start, end, offs_n, offs_d, stride_k_block,
+                 stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE: tl.constexpr):
+    """Inside a paged kernel: K and V [BLOCK_N, D] of KV positions `start + offs_n` of one
+    sequence (block-table row `bt_row`, head bases `k_base` / `v_base`), gathered over
+    BLOCK_N // BLOCK_SIZE pages; positions >= `end` read nothing and load 0. Returns
+    (k, v, positions, mask)."""
+    pos = start + offs_n  # [BLOCK_N]
+    mask = pos < end
+    page = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    in_page = (pos % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(
+        k_base + (page * stride_k_block + in_page * stride_k_slot)[:, None] + offs_d[None, :],
+        mask=mask[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + (page * stride_v_block + in_page * stride_v_slot)[:, None] + offs_d[None, :],
+        mask=mask[:, None],
+        other=0.0,
+    )
+    return k, v, pos, mask
+
+
 def split_kv_cache(
     kv_cache: torch.Tensor, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,12 +318,7 @@ def write_kv(
         key_bits.stride(1),
         value_bits.stride(0),
         value_bits.stride(1),
-        kc_bits.stride(0),
-        kc_bits.stride(1),
-        kc_bits.stride(2),
-        vc_bits.stride(0),
-        vc_bits.stride(1),
-        vc_bits.stride(2),
+        *kv_cache_strides(kc_bits, vc_bits),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_SIZE=head_size,

@@ -12,105 +12,36 @@ Design, per program = (sequence b, kv head h, split s):
   the block table; fp32 online softmax in base 2 (log2(e) folded into the scale);
 - split-K: the context of every sequence is cut into `num_splits` equal chunks (rounded up to
   BLOCK_N so tiles never straddle chunks). `num_splits` is a host constant chosen from the
-  *bucket* (`choose_num_splits`), never from data; chunk bounds are computed in the kernel
-  from seq_lens. Each split writes (acc, max, sum) to the workspace and `_decode_reduce_kernel`
+  *bucket* (`decode_plan.choose_num_splits`), never from data; chunk bounds are computed in
+  the kernel from seq_lens. Each split writes (acc, max, sum) to the workspace and `_decode_reduce_kernel`
   merges them with a log-sum-exp rescale, which is exact up to fp32 rounding.
 Graph safety: the launchers read only shapes and host constants; no allocation, no sync.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from vllm_moe_graphs.ops.decode_plan import (
+    REDUCE_NUM_WARPS,
+    DecodeKernelConfig,
+    check_decode_workspace,
+)
 from vllm_moe_graphs.ops.kv_write import (
-    check_dtype,
-    check_head_size,
+    check_attention_io,
     check_index_tensor,
-    check_kv_caches,
     check_same_device,
-    check_token_tensor,
+    kv_cache_strides,
+    load_kv_tile,
     next_power_of_2,
 )
 
 LOG2E = 1.4426950408889634
 
-# ----------------------------------------------------------------------------- tunables
-# All of these are swept by `benchmarks/attn_kernels.py --sweep`; defaults are first guesses for
-# an H200 (HBM bound: bytes in flight per SM matter more than FLOPs).
-DEFAULT_BLOCK_N = 64  # tokens gathered per loop step (4 pages at BS=16)
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 2
 DOT_MIN_GROUP = 2  # G >= this uses tl.dot (M padded to DOT_MIN_M), else multiply-reduce
 DOT_MIN_M = 16  # smallest M tl.dot accepts
-MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile (H200, b1 c512: 8 splits beat 4)
-MAX_SPLITS = 64  # upper bound for choose_num_splits (also sizes the reduce tile)
-# B * Hkv * S up to this many programs per SM (H200 sweep, b8-64 x c512/2k, both shapes, in
-# benchmarks/results/h200-attn-sweep-b8-64.txt: with 2, rounded up, 0.6B b8 ran 5 splits
-# where 8 were 8-15% faster)
-TARGET_PROGRAMS_PER_SM = 4
-REDUCE_NUM_WARPS = 4
-WORKSPACE_STATS = 2  # trailing (max, sum) columns of each workspace row
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeKernelConfig:
-    """Launch parameters of the split/non-split decode kernel (not of the reduce kernel)."""
-
-    block_n: int = DEFAULT_BLOCK_N
-    num_warps: int = DEFAULT_NUM_WARPS
-    num_stages: int = DEFAULT_NUM_STAGES
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Split-K factor for a bucket: a pure function of host constants (never of seq_lens).
-
-    The most splits whose (sequence, kv head, split) programs stay within TARGET_PROGRAMS_PER_SM
-    per SM (rounded down: one split too many costs more than one too few once the batch alone
-    nearly fills the GPU), but no split shorter than MIN_TOKENS_PER_SPLIT tokens of
-    `max_context`, and at most MAX_SPLITS. Returns 1 (no split, no workspace needed) when the
-    batch already fills the GPU.
-    """
-    if batch < 1 or num_kv_heads < 1 or num_sms < 1:
-        raise ValueError(
-            f"batch, num_kv_heads and num_sms must be >= 1, got {batch}, {num_kv_heads}, "
-            f"{num_sms}"
-        )
-    programs = batch * num_kv_heads
-    wanted = TARGET_PROGRAMS_PER_SM * num_sms // programs
-    by_length = max(1, max_context // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
-
-
-def decode_workspace_shape(
-    max_batch: int, num_q_heads: int, head_size: int, max_splits: int
-) -> tuple[int, int, int, int]:
-    """[B_ws, Hq, S_ws, D + 2] float32: per split the unnormalised acc, then (max, sum)."""
-    return (max_batch, num_q_heads, max_splits, head_size + WORKSPACE_STATS)
-
-
-def allocate_decode_workspace(
-    max_batch: int,
-    num_q_heads: int,
-    head_size: int,
-    max_splits: int,
-    device: torch.device | str,
-) -> torch.Tensor:
-    """Allocate once, at the largest bucket, outside any captured region."""
-    # NOTE: allocates; never call it inside a captured region or per step.
-    shape = decode_workspace_shape(max_batch, num_q_heads, head_size, max_splits)
-    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -189,21 +120,10 @@ def _paged_decode_kernel(
     # NOTE: a padded row (seq_len 0) or an empty split runs zero iterations: no block-table or
     # KV read at all, so stale block ids of padded rows are never dereferenced.
     for start in tl.range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # [BLOCK_N]
-        tok_mask = tok < hi
-        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        in_page = (tok % BLOCK_SIZE).to(tl.int64)
         # K, V : [BLOCK_N, D], gathered over BLOCK_N // BLOCK_SIZE pages
-        k = tl.load(
-            k_base + (page * stride_k_block + in_page * stride_k_slot)[:, None] + offs_d[None, :],
-            mask=tok_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + (page * stride_v_block + in_page * stride_v_slot)[:, None] + offs_d[None, :],
-            mask=tok_mask[:, None],
-            other=0.0,
-        )
+        k, v, tok, tok_mask = load_kv_tile(
+            bt_row, k_base, v_base, start, hi, offs_n, offs_d, stride_k_block, stride_k_slot,
+            stride_v_block, stride_v_slot, BLOCK_SIZE)
         # S : [GROUP_PAD, BLOCK_N], log2 domain
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -306,28 +226,8 @@ def paged_decode_attention(
     # only: no `.item()`, no read of seq_lens/block_table, no allocation. `num_splits` must come
     # from the bucket (choose_num_splits), `scale` must be a Python float (float() of a CUDA
     # tensor would sync), and the workspace must be allocated before capture.
-    if isinstance(scale, torch.Tensor):
-        raise ValueError("scale must be a Python float: a tensor would force a host sync")
-    head_size = query.shape[-1]
-    check_head_size(head_size)
-    check_dtype(query.dtype)
-    block_size, num_kv_heads = check_kv_caches(key_cache, value_cache, head_size)
-    if query.dim() != 3:
-        raise ValueError(f"query must be [batch, num_q_heads, head_size], got {tuple(query.shape)}")
-    batch, num_q_heads = query.shape[0], query.shape[1]
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
-    check_token_tensor("query", query, num_q_heads, head_size)
-    check_token_tensor("out", out, num_q_heads, head_size)
-    if out.shape[0] != batch:
-        raise ValueError(f"out has {out.shape[0]} rows, query has {batch}")
-    if query.dtype != key_cache.dtype or out.dtype != query.dtype:
-        raise ValueError(
-            f"query, out and cache dtypes must match, got {query.dtype}, {out.dtype}, "
-            f"{key_cache.dtype}"
-        )
+    batch, num_q_heads, head_size, block_size, num_kv_heads = check_attention_io(
+        query, out, key_cache, value_cache, scale, "batch")
     check_index_tensor("seq_lens", seq_lens, torch.int32, batch)
     check_index_tensor("block_table", block_table, torch.int32, batch)
     check_same_device(
@@ -338,7 +238,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
     if split:
-        _check_workspace(workspace, batch, num_q_heads, head_size, num_splits, query.device)
+        check_decode_workspace(workspace, batch, num_q_heads, head_size, num_splits, query.device)
     if batch == 0:
         return out
 
@@ -360,17 +260,10 @@ def paged_decode_attention(
         seq_lens,
         float(scale) * LOG2E,
         num_splits,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *query.stride()[:2],
+        *out.stride()[:2],
         *ws_strides,
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *kv_cache_strides(key_cache, value_cache),
         block_table.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -398,37 +291,3 @@ def paged_decode_attention(
             num_warps=REDUCE_NUM_WARPS,
         )
     return out
-
-
-def _check_workspace(
-    workspace: torch.Tensor | None,
-    batch: int,
-    num_q_heads: int,
-    head_size: int,
-    num_splits: int,
-    device: torch.device,
-) -> None:
-    if workspace is None:
-        raise ValueError(
-            f"num_splits={num_splits} needs a workspace: allocate_decode_workspace(max_batch, "
-            f"{num_q_heads}, {head_size}, max_splits, device) once, outside graph capture"
-        )
-    need = decode_workspace_shape(batch, num_q_heads, head_size, num_splits)
-    ok = (
-        workspace.dim() == 4
-        and workspace.shape[0] >= need[0]
-        and workspace.shape[1] == need[1]
-        and workspace.shape[2] >= need[2]
-        and workspace.shape[3] == need[3]
-        and workspace.stride(3) == 1
-    )
-    if not ok:
-        raise ValueError(
-            f"workspace shape {tuple(workspace.shape)} (strides {workspace.stride()}) cannot "
-            f"hold {need}: expected [>= {need[0]}, {need[1]}, >= {need[2]}, {need[3]}] with a "
-            "unit last stride"
-        )
-    if workspace.dtype != torch.float32:
-        raise ValueError(f"workspace must be float32, got {workspace.dtype}")
-    if workspace.device != device:
-        raise ValueError(f"workspace is on {workspace.device}, query on {device}")

@@ -27,12 +27,11 @@ import triton
 import triton.language as tl
 
 from vllm_moe_graphs.ops.kv_write import (
-    check_dtype,
-    check_head_size,
+    check_attention_io,
     check_index_tensor,
-    check_kv_caches,
     check_same_device,
-    check_token_tensor,
+    kv_cache_strides,
+    load_kv_tile,
     next_power_of_2,
 )
 
@@ -153,21 +152,10 @@ def _paged_prefill_kernel(
     v_base = value_cache_ptr + kv_head * stride_v_head
     # The first tile holds KV position 0, visible to every row: m_i is finite from then on.
     for start in tl.range(0, kv_end, BLOCK_N):
-        kv = start + offs_n  # [BLOCK_N]
-        kv_mask = kv < kv_end
-        page = tl.load(bt_row + kv // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        in_page = (kv % BLOCK_SIZE).to(tl.int64)
         # K, V : [BLOCK_N, D]
-        k = tl.load(
-            k_base + (page * stride_k_block + in_page * stride_k_slot)[:, None] + offs_d[None, :],
-            mask=kv_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + (page * stride_v_block + in_page * stride_v_slot)[:, None] + offs_d[None, :],
-            mask=kv_mask[:, None],
-            other=0.0,
-        )
+        k, v, kv, kv_mask = load_kv_tile(
+            bt_row, k_base, v_base, start, kv_end, offs_n, offs_d, stride_k_block,
+            stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE)
         # S : [BLOCK_M, BLOCK_N], log2 domain, causal
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = kv_mask[None, :] & (kv[None, :] <= q_abs[:, None])
@@ -211,30 +199,8 @@ def paged_prefill_attention(
     # NOTE: max_query_len must be the scheduler's host int: deriving it from query_start_loc
     # here would be a device-to-host sync. It only sizes the tile, so an understatement is
     # still correct (just slower).
-    if isinstance(scale, torch.Tensor):
-        raise ValueError("scale must be a Python float: a tensor would force a host sync")
-    head_size = query.shape[-1]
-    check_head_size(head_size)
-    check_dtype(query.dtype)
-    block_size, num_kv_heads = check_kv_caches(key_cache, value_cache, head_size)
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [tokens, num_q_heads, head_size], got {tuple(query.shape)}"
-        )
-    num_tokens, num_q_heads = query.shape[0], query.shape[1]
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
-    check_token_tensor("query", query, num_q_heads, head_size)
-    check_token_tensor("out", out, num_q_heads, head_size)
-    if out.shape[0] != num_tokens:
-        raise ValueError(f"out has {out.shape[0]} rows, query has {num_tokens}")
-    if query.dtype != key_cache.dtype or out.dtype != query.dtype:
-        raise ValueError(
-            f"query, out and cache dtypes must match, got {query.dtype}, {out.dtype}, "
-            f"{key_cache.dtype}"
-        )
+    num_tokens, num_q_heads, head_size, block_size, num_kv_heads = check_attention_io(
+        query, out, key_cache, value_cache, scale, "tokens")
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"query_start_loc must be [B + 1], got {tuple(query_start_loc.shape)}")
     num_seqs = query_start_loc.shape[0] - 1
@@ -266,16 +232,9 @@ def paged_prefill_attention(
         seq_lens,
         float(scale) * LOG2E,
         num_seqs,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *query.stride()[:2],
+        *out.stride()[:2],
+        *kv_cache_strides(key_cache, value_cache),
         block_table.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,

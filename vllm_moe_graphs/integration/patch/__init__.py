@@ -8,6 +8,18 @@
 
 Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
 signature of what it wraps first, and calls the original unchanged.
+
+The features below patch one object, or one attribute for the length of a `with` block, when
+they are switched on; their files here say why, how and when each goes:
+
+| file | patched attribute | applied by | removal condition |
+|---|---|---|---|
+| runner_class.py | `vllm.v1.worker.gpu_model_runner.GPUModelRunner`, during `Worker.init_device` | `worker.MoeGraphsWorker` | a worker can choose its runner class |
+| moe_config_lookup.py | `...fused_moe.experts.triton_moe.try_get_optimal_moe_config`, during the start-up warm-up | `moe_warm_up.recording_moe_configs` | vLLM exposes the fused-MoE config per layer |
+| compute_logits.py | the loaded model's `compute_logits` (instance) | `graph_logits.GraphLogits` (`logits_in_graph`) | vLLM's graphs may include the logits |
+| linear_quant_method.py | `quant_method` of eligible linear layers (instance) | `linear.install_small_m_gemm` (`small_m_gemm`) | vLLM picks a small-M GEMM itself |
+| attention_forward.py | `forward` of eligible Qwen3 attention modules (instance) | `qk_norm_rope.install_fused_qk_norm_rope` (`fuse_qk_norm_rope`) | vLLM's Qwen3 attention fuses q/k norm + RoPE |
+| runner_model.py | the model runner's `model`, during one precapture dummy batch | `lifecycle.GraphLifecycle.capturing` (`precapture`) | vLLM's dummy run takes a capture hook |
 """
 
 from __future__ import annotations

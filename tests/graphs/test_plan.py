@@ -1,0 +1,45 @@
+"""StepPlan and step kinds: what the plan phase hands the run phase (CPU, no vLLM)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.graphs import Action, Decision, GraphKey
+from vllm_moe_graphs.graphs.plan import StepKind, StepPlan, step_kind
+
+
+@pytest.mark.parametrize("tokens,reqs,max_q,lens,kind", [
+    (4, 4, 1, [1, 1, 1, 1], StepKind.DECODE),
+    (4, 4, 1, None, StepKind.DECODE),
+    (12, 2, 8, [8, 4], StepKind.PREFILL),
+    (9, 2, 8, [8, 1], StepKind.MIXED),
+    (9, 2, 8, None, StepKind.MIXED),  # lengths unknown: not provably prefill
+    (5, 1, 5, np.array([5, 0, 0], dtype=np.int32), StepKind.PREFILL),  # padded array
+])
+def test_step_kind(tokens, reqs, max_q, lens, kind):
+    assert step_kind(tokens, reqs, max_q, lens) is kind
+
+
+def test_plan_pads_only_on_graph_paths():
+    key = GraphKey(4, 16)
+    cases = [
+        (Decision(Action.REPLAY, key, Reason.ELIGIBLE, 3), 4),
+        (Decision(Action.CAPTURE, key, Reason.ELIGIBLE, 3), 4),
+        (Decision(Action.EAGER, key, Reason.ELIGIBLE, 3), 4),  # warm-up at the padded size
+        (Decision(Action.EAGER, key, Reason.MEMORY_BUDGET, 4), None),  # fallback: unpadded
+        (Decision(Action.EAGER, None, Reason.MIXED_BATCH, 7), None),
+    ]
+    for decision, rows in cases:
+        plan = StepPlan(StepKind.DECODE, decision, max_context=10)
+        assert plan.padded_rows == rows, decision
+        assert plan.graph_path is (rows is not None)
+
+
+def test_plan_is_frozen():
+    plan = StepPlan(StepKind.MIXED, Decision(Action.EAGER, None, Reason.MIXED_BATCH, 2), 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.lean = True  # type: ignore[misc]

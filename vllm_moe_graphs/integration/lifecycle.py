@@ -1,0 +1,390 @@
+"""`GraphLifecycle`: everything the plugin keeps for one V1 model runner, behind one public API.
+
+`MoeGraphsModelRunner` forwards vLLM's calls here and holds nothing else of ours. This object
+owns the KV storage binding, the `DecodeGraphRunner` and its per-step plan, the plugin's decode
+inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
+
+    lifecycle = GraphLifecycle(runner, config)          # the runner's __init__
+    lifecycle.register(model)                           # load_model: classify, install kernels
+    lifecycle.bind(Phase.SERVING); lifecycle.start()    # initialize_kv_cache (serving)
+    lifecycle.unbind(why) / revalidate(event) / drop_graphs(event) / rebind(why)
+    with lifecycle.step():                              # execute_model
+        lifecycle.prepare_inputs(...)                   #   _prepare_inputs (pure decode)
+        plan = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
+        lifecycle.builds_metadata()                     #   _build_attention_metadata
+        lifecycle.forward(args)                         #   _model_forward (consumes the plan)
+    lifecycle.capture_model()                           # warm-up, precapture
+    with lifecycle.capturing(key): ...                  # precapture's dummy batch for `key`
+    lifecycle.close()                                   # shutdown
+
+vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
+
+    Worker.init_device                 -> GPUModelRunner(vllm_config, device)        (__init__)
+    Worker.load_model                  -> load_model                                 (register)
+    Worker.determine_available_memory  -> profile_run (no KV cache bound at all)
+                                       -> profile_cudagraph_memory, only when cudagraph_mode
+                                          != NONE on CUDA and no kv_cache_memory_bytes:
+                                          _init_minimal_kv_cache_for_profiling
+                                            -> initialize_kv_cache(cfg, is_profiling=True)  (bind)
+                                          throw-away graph captures
+                                          _cleanup_profiling_kv_cache                (unbind)
+    Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
+    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture)
+    per step: execute_model -> _determine_batch_execution_and_padding             (plan)
+                            -> _model_forward                                    (replay)
+    Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
+                                          "kv_cache")                                (revalidate)
+    Worker.reload_weights              -> reload_weights                             (invalidate)
+    Worker.shutdown                    -> shutdown -> _cleanup_profiling_kv_cache    (unbind, close)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.graphs.buckets import graph_config
+from vllm_moe_graphs.graphs.plan import StepKind, StepPlan, step_kind
+from vllm_moe_graphs.graphs.runner import Action, DecodeGraphRunner
+from vllm_moe_graphs.integration import runner_buffers
+from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
+from vllm_moe_graphs.integration.graph_logits import install_graph_logits
+from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.integration.graph_logits import GraphLogits
+    from vllm_moe_graphs.integration.model_registry import AttentionLayerRegistry
+    from vllm_moe_graphs.metrics import MetricsRecorder
+
+logger = logging.getLogger("vllm.moe_graphs")
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def metrics_recorder() -> MetricsRecorder:
+    """This process' metrics recorder; the worker has initialised torch.distributed by now."""
+    from vllm_moe_graphs.metrics import recorder
+
+    return recorder(rank())
+
+
+class StepScope:
+    """The one engine step in flight (inside `execute_model`): which path prepared its inputs,
+    then its plan until the forward takes it."""
+
+    __slots__ = ("fast_inputs", "plan")
+
+    def __init__(self) -> None:
+        self.fast_inputs = False
+        self.plan: StepPlan | None = None
+
+
+class GraphLifecycle:
+    """The plugin's state for one model runner (see the module docstring)."""
+
+    def __init__(self, runner: Any, config: PluginConfig,
+                 storage: PagedKVStorage | None = None) -> None:
+        self._runner = runner
+        self.config = config
+        self.storage = storage if storage is not None else PagedKVStorage(
+            metrics=metrics_recorder())
+        self.layers: AttentionLayerRegistry | None = None
+        self.graphs: DecodeGraphRunner | None = None
+        self.inputs: DecodeInputs | None = None  # fast_decode_inputs, once serving is bound
+        self.logits: GraphLogits | None = None  # logits_in_graph, with `inputs`
+        self.linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
+        self.fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
+        self.lean_replay = False  # a replay may skip the attention metadata (`builds_metadata`)
+        self._kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
+        self._step: StepScope | None = None
+        self._capturing: GraphKey | None = None
+        self._real_model: Any = None  # the model while `capturing` swaps in the precapture shim
+
+    # -- model and KV storage --------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The model (the real one, also while `capturing` swaps the runner's)."""
+        return self._real_model if self._real_model is not None else self._runner.model
+
+    def register(self, model: Any) -> None:
+        """Classify the loaded model's layers; install the configured kernels where it holds."""
+        from vllm_moe_graphs.integration.model_registry import register_model
+
+        self.layers = register_model(model)
+        proof = self.layers.proof()
+        logger.info("moe_graphs: model layers %s%s", proof.reason.value,
+                    f" ({proof.detail})" if proof.detail else "")
+        c = self.config
+        if c.enabled and c.small_m_gemm and proof.holds:
+            from vllm_moe_graphs.integration.linear import install_small_m_gemm
+
+            self.linear = install_small_m_gemm(model, c.small_m_gemm)
+        if c.enabled and c.fuse_qk_norm_rope and proof.holds:
+            from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
+
+            self.fused_attn = install_fused_qk_norm_rope(model)
+
+    def bind(self, phase: Phase) -> None:
+        """Bind the storage to the KV tensors vLLM bound to our layers (else log why not)."""
+        layers, r = self.layers, self._runner
+        if not self.config.enabled or layers is None:
+            return
+        if not (proof := layers.proof()).holds:
+            logger.info("moe_graphs: KV storage not bound (%s: %s)", proof.reason.value,
+                        proof.detail)
+            return
+        indices = layers.layer_indices
+        kv = runner_buffers.kv_tensors(r, indices)
+        if set(kv) != set(indices):
+            logger.warning("moe_graphs: KV storage not bound: vLLM bound no KV tensor for %s",
+                           sorted(set(indices) - set(kv)))
+            return
+        try:
+            identity = self.storage.bind(kv, phase=phase, layer_indices=indices,
+                                         buffers=runner_buffers.graph_buffers(r))
+        except ValueError as exc:  # e.g. another attention backend's layout: stock vLLM runs
+            logger.warning("moe_graphs: KV storage not bound (%s phase): %s", phase.value, exc)
+            return
+        model_device = next((p.device for p in self.model.parameters()), r.device)
+        self.storage.check_devices(r.device, model_device)
+        if not (match := layers.match_storage(identity)).holds:
+            self.storage.invalidate(match.detail)
+        self.watch_kv(kv)
+        self.lean_replay = runner_buffers.read_metadata_in_place(r)
+        logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
+                    phase.value, len(kv), self.storage.generation,
+                    self.storage.proof().reason.value)
+
+    def watch_kv(self, kv: dict[str, torch.Tensor]) -> None:
+        """Watch each layer's bound tensor: `kv_rebound` compares identities per step."""
+        ctx = self._runner.compilation_config.static_forward_context
+        self._kv_watch = tuple((ctx[name], t) for name, t in kv.items())
+
+    def unbind(self, why: str) -> None:
+        if not self.storage.closed:
+            self.storage.unbind(why)
+
+    def kv_rebound(self) -> bool:
+        """True when some attention layer no longer holds the tensor the storage bound: one
+        identity check per layer (host only), so a swap is caught before the next replay."""
+        return any(layer.kv_cache is not t for layer, t in self._kv_watch)
+
+    def rebind(self, why: str) -> None:
+        """The storage's identity no longer matches vLLM's tensors: invalidate (metrics, graphs
+        dropped through the listener), then bind afresh to what vLLM holds now."""
+        if self.storage.closed:
+            return
+        logger.warning("moe_graphs: %s; decode graphs dropped, rebinding", why)
+        self.storage.invalidate(why)
+        self.bind(Phase.SERVING)
+
+    def revalidate(self, event: str) -> None:
+        """After `event` (wake-up, reload): compare vLLM's tensors with the bound identity."""
+        if self.storage.closed or not self.storage.bound:
+            return
+        names = self.storage.identity().layer_indices
+        proof = self.storage.revalidate(runner_buffers.kv_tensors(self._runner, names),
+                                        runner_buffers.graph_buffers(self._runner))
+        logger.info("moe_graphs: KV storage after %s: %s%s", event, proof.reason.value,
+                    f" ({proof.detail})" if proof.detail else "")
+        if proof.reason is Reason.STORAGE_IDENTITY_CHANGED:
+            self.rebind(f"KV storage changed at {event}")
+
+    def drop_graphs(self, event: str) -> None:
+        """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
+        discards contents at the same addresses; a reload may move weights); counted in
+        `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
+        if self.graphs is None or self.graphs.closed:
+            return
+        self.graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, event)
+        metrics_recorder().record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
+        self.publish()
+
+    def start(self) -> None:
+        """Once the serving bind holds: record the runtime capability, then create the graph
+        runner, the decode inputs and the in-graph logits where eligible and configured."""
+        from vllm_moe_graphs.integration import hooks
+        from vllm_moe_graphs.killswitch import KillSwitch
+
+        r, c = self._runner, self.config
+        proof = self.storage.proof()
+        own = r.compilation_config.cudagraph_mode
+        vllm_graphs = own is not None and own.name != "NONE"
+        if proof.holds and vllm_graphs:
+            logger.warning("moe_graphs: vLLM's own CUDA graphs are on (cudagraph_mode=%s); the "
+                           "plugin's decode graphs stay off (see docs/serving.md)", own.name)
+        report = hooks.record_capability(r.vllm_config, rank(), proof,
+                                         graphs_on=proof.holds and not vllm_graphs)
+        if self.graphs is None and report.eligible and not vllm_graphs:
+            config = graph_config(c, r.max_num_reqs, r.max_model_len)
+            self.graphs = DecodeGraphRunner(None, config, storage=self.storage,
+                                            kill_switch=KillSwitch.from_env())
+            self.graphs.set_scratch_bytes(sum(
+                t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
+            logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
+                        "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
+                        list(config.context_buckets), c.warmup_steps, c.graph_memory_budget_mib)
+        if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
+            why = unsupported(r)
+            self.inputs = DecodeInputs(r) if why is None else None
+            logger.info("moe_graphs: decode inputs prepared by %s",
+                        f"vLLM ({why})" if why else "the plugin (fast_decode_inputs)")
+        if c.logits_in_graph and self.inputs is not None and self.logits is None:
+            self.logits = install_graph_logits(self.model, self.graphs)
+        self.publish()
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.publish()
+        self.storage.close()
+
+    def publish(self) -> None:
+        """Publish the graph runner's counters (`GraphStats`) as this process' metrics."""
+        if self.graphs is not None:
+            metrics_recorder().publish(self.graphs.stats)
+
+    # -- one engine step -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[StepScope]:
+        """The scope of one `execute_model`: outside it (vLLM's profile and warm-up dummy runs)
+        nothing is planned, padded or graphed."""
+        self._step = StepScope()
+        try:
+            yield self._step
+        finally:
+            self._step = None
+            if self.logits is not None:
+                self.logits.clear()
+            self.publish()  # after the step: never inside a captured region
+
+    def prepare_inputs(self, scheduler_output: Any) -> tuple[Any, ...] | None:
+        """A pure-decode step's inputs prepared by `DecodeInputs` (None: vLLM prepares them)."""
+        step = self._step
+        if step is None or self.inputs is None or not pure_decode(self._runner, scheduler_output):
+            return None
+        step.fast_inputs = True
+        return self.inputs.prepare(self._runner, scheduler_output)
+
+    def plan(self, num_tokens: int, num_reqs: int, query_lens: np.ndarray | None,
+             max_query_len: int, use_cascade_attn: bool, force_eager: bool) -> int | None:
+        """Plan the step vLLM is about to pad (host ints only: the scheduler's lengths; no GPU
+        value is read). Returns the rows to pad it to as a uniform decode batch (a graph path,
+        or precapture's dummy batch), or None: vLLM's own unpadded sizes."""
+        if self.graphs is None:
+            return None
+        if self._capturing is not None:
+            return self._capturing.batch_bucket
+        step = self._step
+        if step is None:
+            return None  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
+        kind = step_kind(num_tokens, num_reqs, max_query_len, query_lens)
+        decode = kind is StepKind.DECODE and not use_cascade_attn and not force_eager
+        max_context = int(self._runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].max()) \
+            if decode else 0
+        if decode and self.kv_rebound():
+            self.rebind("a layer's KV tensor was rebound behind the storage")
+        # Rows are query tokens: for a decode batch one per request; a mixed batch keeps all.
+        d = self.graphs.decide(num_tokens, max_context, decode)
+        graph_path = d.key is not None and (d.action is not Action.EAGER or d.warming_up)
+        # NOTE: the LM head joins the forward on every graph path (warm-up, capture, replay)
+        # of a key that has it, whatever prepared the inputs: a key's graph has it or not for
+        # the engine's life. vLLM's compute_logits takes the result only for the exact view.
+        step.plan = StepPlan(
+            kind, d, max_context, fast_inputs=step.fast_inputs,
+            with_logits=graph_path and self._logits_for(d.key),
+            lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
+        return step.plan.padded_rows
+
+    def builds_metadata(self) -> bool:
+        """Whether this step needs vLLM's attention metadata. A lean replay runs no Python of
+        the model: the graph reads the persistent buffers the metadata would view
+        (`runner_buffers.read_metadata_in_place`), so building it is host time only. Its one
+        device write, the null block id in padded block-table rows, is never read: padded rows
+        have seq_len 0, and the decode kernel reads no block then."""
+        step = self._step
+        return step is None or step.plan is None or not step.plan.lean
+
+    def forward(self, args: dict[str, Any]) -> torch.Tensor | None:
+        """Run the planned step's forward through the graph runner (the plan is consumed);
+        None when there is no plan: vLLM runs the model itself."""
+        step = self._step
+        plan = step.plan if step is not None else None
+        if plan is None or self.graphs is None:
+            return None
+        step.plan = None
+        out, _ = self.graphs.run(plan.decision, self._forward_fn(args, plan.with_logits))
+        if plan.with_logits:
+            self.logits.hand_over(out, plan.decision.num_reqs)
+        return out
+
+    def bookkeeping(self, scheduler_output: Any, sampler_output: Any) -> tuple[Any, ...] | None:
+        """A pure-decode step's bookkeeping by `DecodeInputs` (None: vLLM's)."""
+        if self.inputs is None or not pure_decode(self._runner, scheduler_output):
+            return None
+        return self.inputs.bookkeeping(self._runner, sampler_output)
+
+    # -- start-up --------------------------------------------------------------------------------
+    def capture_model(self) -> int | None:
+        """The kernel warm-up, then the precapture when configured; returns the pool bytes, or
+        None when the graphs are off (vLLM's own capture_model runs)."""
+        if self.graphs is None:
+            return None
+        from vllm_moe_graphs.integration.precapture import precapture_all
+
+        try:
+            return precapture_all(self._runner, self)
+        finally:
+            self.publish()
+
+    @contextlib.contextmanager
+    def capturing(self, key: GraphKey) -> Iterator[None]:
+        """Inside the block the runner's model captures `key` when vLLM calls it, and vLLM's
+        padding plans the uniform decode batch of `key`'s bucket (precapture's dummy batch)."""
+        from vllm_moe_graphs.integration.patch import runner_model
+        from vllm_moe_graphs.integration.precapture import PrecaptureModel
+
+        try:
+            with runner_model.swapped(self._runner, PrecaptureModel(self, key)) as real:
+                self._real_model, self._capturing = real, key
+                yield
+        finally:
+            self._real_model, self._capturing = None, None
+
+    def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
+        """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
+        returns its output, or the eager forward's when the capture was denied or failed."""
+        result = self.graphs.precapture([key], forward=self._forward_fn(
+            args, self._logits_for(key)))[key]
+        out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
+        return out if out is not None else self.model(**args)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
+        """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
+        ids = args.get("input_ids")
+        rows = ids.shape[0] if ids is not None else args["inputs_embeds"].shape[0]
+        model, logits = self.model, self.logits if with_logits else None
+
+        def forward(batch_size: int) -> torch.Tensor:
+            assert rows >= batch_size, f"step has {rows} input rows, the runner asked {batch_size}"
+            hidden = model(**args)
+            if logits is not None:
+                logits.compute(hidden)
+            return hidden
+
+        return forward
+
+    def _logits_for(self, key: GraphKey) -> bool:
+        """Whether `key`'s graph computes the logits (fixed per key for the engine's life)."""
+        return self.logits is not None and key.batch_bucket <= self.logits.buffer.shape[0]
