@@ -141,3 +141,16 @@ def test_demo_rejects_bad_numbers(capsys):
         cli_main(["demo", "--batch", "0"])
     assert exc.value.code == 2
     assert "--batch=0" in capsys.readouterr().err
+
+
+def test_demo_reads_label_values_from_the_metrics_text():
+    from vllm_moe_graphs.cli.demo import _series
+
+    text = ('moe_graphs_capability{reason="eligible"} 1.0\n'
+            'moe_graphs_capability{reason="no_cuda"} 0.0\n'
+            'moe_graphs_eager_fallbacks_total{rank="0",reason="mixed_batch"} 3.0\n'
+            'moe_graphs_replays_total{rank="0"} 13.0\n')
+    assert _series(text, "moe_graphs_capability") == [("eligible", 1.0), ("no_cuda", 0.0)]
+    assert _series(text, "moe_graphs_eager_fallbacks_total") == [("mixed_batch", 3.0)]
+    assert _series(text, "moe_graphs_replays_total") == [("", 13.0)]
+    assert _series(text, "moe_graphs_replays_total", label="rank") == [("0", 13.0)]

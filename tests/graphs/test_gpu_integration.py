@@ -63,10 +63,16 @@ if spec.get("fail_capture_bucket"):
     real_capture = runner_mod.cuda_capture
 
     def failing_capture(fn, pool, before_capture):
-        out = fn()  # the warm-up forward; rows = the bucket being captured
-        if out.shape[0] == spec["fail_capture_bucket"]:
-            raise RuntimeError("injected capture failure (test)")
-        return real_capture(fn, pool, before_capture)
+        out = fn()  # a forward outside the capture; rows = the bucket being captured
+        if out.shape[0] != spec["fail_capture_bucket"]:
+            return real_capture(fn, pool, before_capture)
+
+        def syncing():  # a host sync inside the region: CUDA invalidates the capture
+            y = fn()
+            torch.cuda.synchronize()
+            return y
+
+        return real_capture(syncing, pool, before_capture)
 
     runner_mod.cuda_capture = failing_capture
 
@@ -157,8 +163,12 @@ for phase in spec["phases"]:
     b = phase["batch"]
     t1 = time.perf_counter()
     tokens, top1 = [], []
+    # "temperature": random sampling from vLLM's default CUDA generator (not comparable)
+    step_params = params if "temperature" not in phase else SamplingParams(
+        max_tokens=spec["max_tokens"], temperature=phase["temperature"], ignore_eos=True,
+        logprobs=1, detokenize=False)
     for i in range(0, len(prompts), b):
-        for out in llm.generate(prompts[i:i + b], params, use_tqdm=False):
+        for out in llm.generate(prompts[i:i + b], step_params, use_tqdm=False):
             c = out.outputs[0]
             tokens.append(list(c.token_ids))
             top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
@@ -443,9 +453,13 @@ def test_precapture_serves_from_start_up_graphs(tmp_path):
 
 def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
-    # batch 8's capture raises (quarantined); batch 1's capture then fills the 1 MiB budget, so
-    # batch 2 is denied with memory_budget. Each with graphs, then the same with the kill file.
+    # batch 8's capture fails (a host sync inside the region invalidates it; quarantined);
+    # batch 1's capture then fills the 1 MiB budget, so batch 2 is denied with memory_budget.
+    # Each with graphs, then the same with the kill file; last, batch 8 again with random
+    # sampling, which draws from the CUDA generator the failed capture had left marked as
+    # capturing (the runner resets it: sampling must not raise).
     phases = [{"batch": b, "kill": k} for b in (8, 1, 2) for k in (False, True)]
+    phases.append({"batch": 8, "kill": False, "temperature": 1.0})
     cfg = {"moe_graphs": {"graph_memory_budget_mib": 1}}
     result = run_engine(tmp_path, "faults", _llm_kwargs(model, load_format="dummy",
                                                         additional_config=cfg),
@@ -462,10 +476,12 @@ def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
                                           reason="memory_budget"),
         "captures": metric(last, "moe_graphs_captures_total"),
         "replays": metric(last, "moe_graphs_replays_total"),
+        "sampled_tokens": sum(map(len, result["phases"][-1]["tokens"])),
         "log_lines": result["log_lines"],
     }
     report("faults", summary)
     assert summary["identical"] == [16, 16, 16], summary
+    assert summary["sampled_tokens"] == 16 * 64, summary
     assert summary["capture_failures"] == 1 and summary["capture_failed_fallbacks"] > 0, summary
     assert summary["captures"] == 1 and summary["replays"] > 0, summary
     assert summary["memory_budget_fallbacks"] > 0, summary

@@ -93,6 +93,8 @@ def test_failed_capture_quarantines_and_eager_still_works():
     toy = Toy(sync_in_forward=True)
     runner = DecodeGraphRunner(toy.forward, config(warmup_steps=0))
     for _ in range(2):
+        # fill() draws from the CUDA RNG: after the failed (invalidated) capture it must work,
+        # as vLLM's sampler must (the runner resets the generator's capture state)
         want = toy.fill(4)
         out, d = runner.step(4, 100, True)
         assert d.reason is Reason.CAPTURE_FAILED

@@ -89,6 +89,10 @@ def checked(scheduler_output, num_scheduled_tokens):
         stats["new_rows"] += int(bool((prev < 0).any()))
     before = {k: v.clone() for k, v in buffers().items()}
     ref_logits, ref_spec = stock(scheduler_output, num_scheduled_tokens)
+    if GPU:
+        # vLLM's path leaves non-blocking copies from pinned host buffers in flight: let them
+        # read those buffers before they are restored below (else the copies race the restore)
+        torch.cuda.synchronize()
     ref = {k: v.clone() for k, v in buffers().items()}
     for k, v in buffers().items():
         v.copy_(before[k])

@@ -38,11 +38,12 @@ def _positive(parser: argparse.ArgumentParser, name: str, value: int | None) -> 
         parser.error(f"--{name.replace('_', '-')}={value} must be a positive integer")
 
 
-def _series(text: str, name: str) -> list[tuple[str, float]]:
-    """(labels, value) of every sample of `name` in Prometheus text."""
+def _series(text: str, name: str, label: str = "reason") -> list[tuple[str, float]]:
+    """(value of `label`, sample value) of every sample of `name` in Prometheus text."""
     out = []
     for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
-        out.append((m.group(1) or "", float(m.group(2))))
+        found = re.search(rf'{label}="([^"]*)"', m.group(1) or "")
+        out.append((found.group(1) if found else "", float(m.group(2))))
     return out
 
 

@@ -1,8 +1,8 @@
-"""Decode CUDA graphs: bucket keys and the graph runner (no vLLM imports)."""
+"""Decode CUDA graphs: bucket keys, the step plan, capture and the graph runner (no vLLM)."""
 
 from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_bucket, pick_key
-from vllm_moe_graphs.graphs.runner import (Action, CapturedGraph, Decision, DecodeGraphRunner,
-                                           cuda_capture)
+from vllm_moe_graphs.graphs.capture import CapturedGraph, cuda_capture
+from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 
 __all__ = ["Action", "CapturedGraph", "Decision", "DecodeGraphRunner", "GraphKey", "all_keys",
            "cuda_capture", "pick_bucket", "pick_key"]

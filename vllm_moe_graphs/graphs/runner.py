@@ -29,13 +29,14 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key
+from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
 from vllm_moe_graphs.graphs.stats import GraphStats
 
 if TYPE_CHECKING:
@@ -76,54 +77,6 @@ class Decision:
         if self.key is not None and (self.action is not Action.EAGER or self.warming_up):
             return self.key.batch_bucket
         return self.num_reqs
-
-
-@dataclasses.dataclass(frozen=True)
-class CapturedGraph:
-    """What a capture function returns: `replay()` refills `output` (a static tensor)."""
-
-    replay: Callable[[], object]
-    output: torch.Tensor
-    pool_bytes: int  # bytes this capture added to the shared pool
-    release: Callable[[], None] = lambda: None  # frees the graph's hold on the pool
-
-
-class CaptureFn(Protocol):
-    def __call__(self, fn: Callable[[], torch.Tensor], pool: object,
-                 before_capture: Callable[[], None] | None) -> CapturedGraph: ...
-
-
-def cuda_capture(fn: Callable[[], torch.Tensor], pool: object,
-                 before_capture: Callable[[], None] | None) -> CapturedGraph:
-    """Capture `fn` into a `torch.cuda.CUDAGraph` on the shared `pool`, after one warm-up run on
-    a side stream (as PyTorch recommends: lazy inits, cuBLAS workspaces, allocator state)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    # torch.cuda.graph() empties the cache on entry; do it first so the reserved-bytes delta
-    # below is the pool's growth only.
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    graph = torch.cuda.CUDAGraph()
-    if before_capture is not None:
-        before_capture()  # e.g. the prefetch offloader's sync_prev_onload()
-    stream = torch.cuda.current_stream()
-    try:
-        # NOTE: thread_local: vLLM's output thread may touch CUDA (event syncs of the async
-        # output copy) while a lazy capture runs mid-serving; only this thread's calls matter.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            output = fn()
-    except BaseException:
-        # NOTE: when capture_end() raises, torch.cuda.graph leaves its capture stream current;
-        # restore ours so the eager fallback runs where the caller expects.
-        torch.cuda.set_stream(stream)
-        raise
-    torch.cuda.synchronize()
-    grown = max(0, torch.cuda.memory_reserved() - before)
-    return CapturedGraph(graph.replay, output, grown, graph.reset)
 
 
 @dataclasses.dataclass(frozen=True)
