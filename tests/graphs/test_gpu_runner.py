@@ -100,6 +100,15 @@ def test_failed_capture_quarantines_and_eager_still_works():
         assert d.reason is Reason.CAPTURE_FAILED
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     assert runner.quarantined == {GraphKey(4, 1024)} and runner.keys == ()
+    # the allocator stopped recording into the failed capture's pool: another key captures
+    # (torch would refuse with "already recording to mempool_id") and replays
+    toy.sync_in_forward = False
+    for action in (Action.CAPTURE, Action.REPLAY):
+        want = toy.fill(8)
+        out, d = runner.step(8, 100, True)
+        assert d.action is action, d
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert runner.keys == (GraphKey(8, 1024),)
     runner.close()
 
 

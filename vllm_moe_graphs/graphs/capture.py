@@ -46,20 +46,44 @@ def cuda_capture(fn: Callable[[], torch.Tensor], pool: object,
     if before_capture is not None:
         before_capture()  # e.g. the prefetch offloader's sync_prev_onload()
     stream = torch.cuda.current_stream()
+    began = False
     try:
         # NOTE: thread_local: vLLM's output thread may touch CUDA (event syncs of the async
         # output copy) while a lazy capture runs mid-serving; only this thread's calls matter.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            began = True
             output = fn()
     except BaseException:
         # NOTE: when capture_end() raises, torch.cuda.graph leaves its capture stream current;
         # restore ours so the eager fallback runs where the caller expects.
         torch.cuda.set_stream(stream)
-        _reset_rng_capture_state()
+        _end_failed_capture(pool, began)
         raise
     torch.cuda.synchronize()
     grown = max(0, torch.cuda.memory_reserved() - before)
     return CapturedGraph(graph.replay, output, grown, graph.reset)
+
+
+def _end_failed_capture(pool: object, began: bool) -> None:
+    """Undo what a capture whose end failed left behind, so serving goes on as before it.
+
+    # NOTE: when capture_end() fails at its start (an invalidated capture, e.g. a host sync
+    # inside the region), torch skips its epilogue: (1) the caching allocator keeps routing this
+    # thread's allocations into the graph pool, whose next capture then fails with
+    # "beginAllocateToPool: already recording", and eager memory lands in a pool that is never
+    # freed; (2) the capture's hold on the pool is never released; (3) the CUDA RNG stays marked
+    # as capturing. (1) and (2) are undone here when the recording is still open (else
+    # capture_end got that far and the graph object releases its own hold); (3) below.
+    """
+    if began and hasattr(torch._C, "_cuda_endAllocateToPool"):
+        device = torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except RuntimeError:
+            pass  # not recording any more: capture_end ended it
+        else:
+            torch._C._cuda_releasePool(device, pool)
+    _reset_rng_capture_state()
 
 
 def _reset_rng_capture_state() -> None:

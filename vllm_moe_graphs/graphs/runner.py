@@ -320,6 +320,10 @@ class DecodeGraphRunner:
                                      self._before_capture)
         except Exception as exc:  # noqa: BLE001 - any capture error quarantines the key
             self._quarantined[key] = f"{type(exc).__name__}: {exc}"
+            if not self._graphs:
+                # the failed capture's hold on the pool is gone and no graph holds it: the next
+                # capture starts a new pool (an emptied private pool cannot be reused)
+                self._pool = None
             self.stats.capture_failures += 1
             if self.config.capture_failure_policy is CaptureFailurePolicy.RAISE:
                 raise RuntimeError(

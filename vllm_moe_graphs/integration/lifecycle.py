@@ -8,7 +8,7 @@ inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
     lifecycle.register(model)                           # load_model: classify, install kernels
     lifecycle.bind(Phase.SERVING); lifecycle.start()    # initialize_kv_cache (serving)
     lifecycle.unbind(why) / revalidate(event) / drop_graphs(event) / rebind(why)
-    with lifecycle.step():                              # execute_model
+    lifecycle.begin_step() ... end_step()               # execute_model (or `with step()`)
         lifecycle.prepare_inputs(...)                   #   _prepare_inputs (pure decode)
         plan = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
         lifecycle.builds_metadata()                     #   _build_attention_metadata
@@ -109,6 +109,7 @@ class GraphLifecycle:
         self._step: StepScope | None = None
         self._capturing: GraphKey | None = None
         self._real_model: Any = None  # the model while `capturing` swaps in the precapture shim
+        self._recorder: MetricsRecorder | None = None  # this process' metrics, at first publish
 
     # -- model and KV storage --------------------------------------------------------------------
     @property
@@ -252,21 +253,30 @@ class GraphLifecycle:
     def publish(self) -> None:
         """Publish the graph runner's counters (`GraphStats`) as this process' metrics."""
         if self.graphs is not None:
-            metrics_recorder().publish(self.graphs.stats)
+            if self._recorder is None:
+                self._recorder = metrics_recorder()
+            self._recorder.publish(self.graphs.stats)
 
     # -- one engine step -------------------------------------------------------------------------
+    def begin_step(self) -> StepScope:
+        """Open the scope of one `execute_model`: outside it (vLLM's profile and warm-up dummy
+        runs) nothing is planned, padded or graphed. Close it with `end_step`."""
+        self._step = StepScope()
+        return self._step
+
+    def end_step(self) -> None:
+        self._step = None
+        if self.logits is not None:
+            self.logits.clear()
+        self.publish()  # after the step: never inside a captured region
+
     @contextlib.contextmanager
     def step(self) -> Iterator[StepScope]:
-        """The scope of one `execute_model`: outside it (vLLM's profile and warm-up dummy runs)
-        nothing is planned, padded or graphed."""
-        self._step = StepScope()
+        """`begin_step` ... `end_step` as a `with` block."""
         try:
-            yield self._step
+            yield self.begin_step()
         finally:
-            self._step = None
-            if self.logits is not None:
-                self.logits.clear()
-            self.publish()  # after the step: never inside a captured region
+            self.end_step()
 
     def prepare_inputs(self, scheduler_output: Any) -> tuple[Any, ...] | None:
         """A pure-decode step's inputs prepared by `DecodeInputs` (None: vLLM prepares them)."""

@@ -33,7 +33,7 @@ graphs (and the decode inputs, in-graph logits) once the serving bind holds. Eac
 after super(), except the unbind (super frees the memory it must release), close (also when
 super raises) and the per-step ones below.
 
-Per step (`execute_model`, one `GraphLifecycle.step()` scope): a pure-decode step's inputs go to
+Per step (`execute_model`, one `GraphLifecycle` step scope): a pure-decode step's inputs go to
 vLLM's persistent buffers through `integration/decode_inputs.py`, any other step's through vLLM;
 then `_determine_batch_execution_and_padding` plans the step (`GraphLifecycle.plan`, host ints
 only: one frozen `StepPlan`). On a graph path (replay, capture, warm-up) it returns vLLM's FULL
@@ -124,8 +124,11 @@ class MoeGraphsModelRunner(GPUModelRunner):
     # -- per step --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput,
                       intermediate_tensors: IntermediateTensors | None = None) -> Any:
-        with self.moe_graphs.step():
+        self.moe_graphs.begin_step()
+        try:
             return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self.moe_graphs.end_step()
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput,
                         num_scheduled_tokens: np.ndarray) -> tuple[Any, ...]:
