@@ -567,6 +567,13 @@ def test_context_bucket_from_plugin_config(tmp_path):
         md = builder.build(0, cm)
         assert md.context_bucket == bucket
         assert md.num_splits == choose_num_splits(1, NUM_KV_HEADS, bucket, builder.num_sms)
+        # a step planned for a graph key plans the key's bucket, whatever its longest context
+        builder.plan_for(MAX_MODEL_LEN)
+        md = builder.build(0, cm)
+        assert md.context_bucket == MAX_MODEL_LEN
+        assert md.num_splits == choose_num_splits(1, NUM_KV_HEADS, MAX_MODEL_LEN,
+                                                  builder.num_sms)
+        builder.plan_for(None)
 
 
 def test_build_for_cudagraph_capture(env):

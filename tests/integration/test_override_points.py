@@ -450,6 +450,26 @@ def test_replayed_fast_steps_build_no_attention_metadata(monkeypatch, tmp_path):
     assert built[4:] == ["built"] * 4
 
 
+def test_graph_steps_plan_attention_for_their_keys_context_bucket():
+    """The step plan hands its graph key's context bucket to our metadata builders (the split
+    count a key's graph is captured with), none to an eager step, and clears it after the step."""
+    class Builder:
+        def __init__(self) -> None:
+            self.planned = []
+
+        def plan_for(self, bucket) -> None:
+            self.planned.append(bucket)
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    builder = Builder()
+    r.moe_graphs.metadata_builders = [builder]
+    key = r.moe_graphs.graphs.decide(3, 12, True).key  # contexts 10..12
+    for _ in range(3):  # warm-up, capture, replay
+        _step(r, 3, [1, 1, 1])
+    _step(r, 2, [5, 1])  # mixed: eager, the builder picks its own bucket
+    assert builder.planned == [key.context_bucket, None] * 3 + [None, None], builder.planned
+
+
 def test_decode_steps_pad_to_the_bucket_warm_up_capture_replay_and_slice():
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     # 3 decode rows -> bucket 4: padded FULL descriptor; the model sees 4 rows, vLLM gets 3

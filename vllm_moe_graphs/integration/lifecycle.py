@@ -17,25 +17,7 @@ inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
     with lifecycle.capturing(key): ...                  # precapture's dummy batch for `key`
     lifecycle.close()                                   # shutdown
 
-vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
-
-    Worker.init_device                 -> GPUModelRunner(vllm_config, device)        (__init__)
-    Worker.load_model                  -> load_model                                 (register)
-    Worker.determine_available_memory  -> profile_run (no KV cache bound at all)
-                                       -> profile_cudagraph_memory, only when cudagraph_mode
-                                          != NONE on CUDA and no kv_cache_memory_bytes:
-                                          _init_minimal_kv_cache_for_profiling
-                                            -> initialize_kv_cache(cfg, is_profiling=True)  (bind)
-                                          throw-away graph captures
-                                          _cleanup_profiling_kv_cache                (unbind)
-    Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
-    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture)
-    per step: execute_model -> _determine_batch_execution_and_padding             (plan)
-                            -> _model_forward                                    (replay)
-    Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
-                                          "kv_cache")                                (revalidate)
-    Worker.reload_weights              -> reload_weights                             (invalidate)
-    Worker.shutdown                    -> shutdown -> _cleanup_profiling_kv_cache    (unbind, close)
+When vLLM makes these calls: the lifecycle table in `integration/model_runner.py`.
 """
 
 from __future__ import annotations
@@ -110,6 +92,7 @@ class GraphLifecycle:
         self._capturing: GraphKey | None = None
         self._real_model: Any = None  # the model while `capturing` swaps in the precapture shim
         self._recorder: MetricsRecorder | None = None  # this process' metrics, at first publish
+        self.metadata_builders: list[Any] = []  # ours among vLLM's (bound with the storage)
 
     # -- model and KV storage --------------------------------------------------------------------
     @property
@@ -162,6 +145,7 @@ class GraphLifecycle:
             self.storage.invalidate(match.detail)
         self.watch_kv(kv)
         self.lean_replay = runner_buffers.read_metadata_in_place(r)
+        self.metadata_builders = runner_buffers.our_metadata_builders(r)
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.storage.generation,
                     self.storage.proof().reason.value)
@@ -266,6 +250,7 @@ class GraphLifecycle:
 
     def end_step(self) -> None:
         self._step = None
+        self._plan_attention(None)
         if self.logits is not None:
             self.logits.clear()
         self.publish()  # after the step: never inside a captured region
@@ -294,6 +279,7 @@ class GraphLifecycle:
         if self.graphs is None:
             return None
         if self._capturing is not None:
+            self._plan_attention(self._capturing.context_bucket)
             return self._capturing.batch_bucket
         step = self._step
         if step is None:
@@ -314,6 +300,7 @@ class GraphLifecycle:
             kind, d, max_context, fast_inputs=step.fast_inputs,
             with_logits=graph_path and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
+        self._plan_attention(d.key.context_bucket if graph_path else None)
         return step.plan.padded_rows
 
     def builds_metadata(self) -> bool:
@@ -370,6 +357,7 @@ class GraphLifecycle:
                 yield
         finally:
             self._real_model, self._capturing = None, None
+            self._plan_attention(None)
 
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
@@ -380,6 +368,11 @@ class GraphLifecycle:
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
+    def _plan_attention(self, context_bucket: int | None) -> None:
+        """Our metadata builders plan the next build for this graph key's context bucket."""
+        for builder in self.metadata_builders:
+            builder.plan_for(context_bucket)
+
     def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
         """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
         ids = args.get("input_ids")

@@ -46,8 +46,27 @@ includes the LM head (`integration/graph_logits.py`), whose logits vLLM's `compu
 then receives.
 
 Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (warm-up,
-precapture), `input_batch.block_table.compute_slot_mapping` (warm-up). vLLM's lifecycle around
-these calls: `integration/lifecycle.py`.
+precapture), `input_batch.block_table.compute_slot_mapping` (warm-up).
+
+vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
+
+    Worker.init_device                 -> GPUModelRunner(vllm_config, device)        (__init__)
+    Worker.load_model                  -> load_model                                 (register)
+    Worker.determine_available_memory  -> profile_run (no KV cache bound at all)
+                                       -> profile_cudagraph_memory, only when cudagraph_mode
+                                          != NONE on CUDA and no kv_cache_memory_bytes:
+                                          _init_minimal_kv_cache_for_profiling
+                                            -> initialize_kv_cache(cfg, is_profiling=True)  (bind)
+                                          throw-away graph captures
+                                          _cleanup_profiling_kv_cache                (unbind)
+    Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
+    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture)
+    per step: execute_model -> _determine_batch_execution_and_padding             (plan)
+                            -> _model_forward                                    (replay)
+    Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
+                                          "kv_cache")                                (revalidate)
+    Worker.reload_weights              -> reload_weights                             (invalidate)
+    Worker.shutdown                    -> shutdown -> _cleanup_profiling_kv_cache    (unbind, close)
 """
 
 from __future__ import annotations

@@ -39,6 +39,14 @@ def graph_buffers(runner: Any) -> dict[str, torch.Tensor]:
     return bufs
 
 
+def our_metadata_builders(runner: Any) -> list[Any]:
+    """The runner's attention metadata builders that are the plugin's."""
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
+
+    return [b for groups in runner.attn_groups for g in groups
+            if isinstance(b := g.get_metadata_builder(), MoeGraphsMetadataBuilder)]
+
+
 def read_metadata_in_place(runner: Any) -> bool:
     """Let our metadata builders read vLLM's persistent query_start_loc, seq_lens and block
     tables in place (no per-step copies): they are in the storage's identity just bound.

@@ -124,6 +124,8 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         self._workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=device)
         # data_ptr()s of the runner buffers build() may read in place (see read_in_place)
         self._in_place: tuple[int, int, int] | None = None
+        # the context bucket of the graph key the current step was planned for (plan_for)
+        self._planned_context: int | None = None
 
     # ------------------------------------------------------------------------- plan
 
@@ -132,6 +134,13 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         if num_reqs < 1:
             return 1
         return choose_num_splits(num_reqs, self.num_heads_kv, bucket, self.num_sms)
+
+    def plan_for(self, context_bucket: int | None) -> None:
+        """The next builds are for a graph key of this context bucket (None: no key, the
+        builder picks the bucket from the step's longest context). A graph replays the split
+        count it was captured with, so a key's steps must plan exactly that one: the plugin's
+        step plan hands its key's bucket over before vLLM builds the step's metadata."""
+        self._planned_context = context_bucket
 
     def read_in_place(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor) -> None:
@@ -201,7 +210,11 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
                                             non_blocking=True)
 
         decode = cm.max_query_len == 1
-        bucket = context_bucket(self.context_buckets, cm.max_seq_len)
+        # NOTE: any split count is correct for any context (the kernel cuts each sequence's
+        # chunks from its seq_len); the bucket only decides how many programs share the work.
+        bucket = self._planned_context
+        if bucket is None:
+            bucket = context_bucket(self.context_buckets, cm.max_seq_len)
         num_splits = self.num_splits(num_reqs, bucket) if decode else 1
         return MoeGraphsAttentionMetadata(
             num_actual_tokens=num_tokens,
