@@ -248,3 +248,60 @@ def test_cuda_graph_replay_with_new_lengths_and_tables():
             torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol,
                                        msg=lambda m: f"round {round_} {name}: {m}")
         assert (out_whole[round_] == 0).all() and (out_split[round_] == 0).all()
+
+
+def test_prefill_graph_replays_any_mix_of_its_bucket():
+    """One capture of the varlen kernel at a bucket (T query rows, B requests, a fixed tile),
+    replayed for mixes it was not captured with: chunked prefill with a cached prefix, fresh
+    prompts, decode rows, fewer requests than B (the rest padding: q_len 0, seq_len 0). The grid
+    is a function of the bucket only; each program finds its request in the persistent
+    query_start_loc, so every replay matches the reference on the real rows and leaves the
+    padding rows alone."""
+    head_size, block_size, dtype, group, num_kv_heads = 128, 16, torch.bfloat16, 4, 4
+    t_bucket, b_bucket, key_max_query_len, max_context = 256, 8, 64, 2048
+    gen = torch.Generator().manual_seed(11)
+    max_blocks = max_context // block_size
+    num_blocks = b_bucket * max_blocks + 1
+    kv_cache = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size, generator=gen,
+                           dtype=torch.float32).to(DEVICE, dtype).permute(0, 2, 1, 3)
+    kc, vc = split_kv_cache(kv_cache, head_size)
+    scale = 1.0 / math.sqrt(head_size)
+    query = torch.zeros(t_bucket, group * num_kv_heads, head_size, dtype=dtype, device=DEVICE)
+    out = torch.zeros_like(query)
+    qsl = torch.zeros(b_bucket + 1, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.zeros(b_bucket, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(b_bucket, max_blocks, dtype=torch.int32, device=DEVICE)
+
+    def step():
+        paged_prefill_attention(out, query, kc, vc, table, qsl, seq_lens, scale,
+                                max_query_len=key_max_query_len)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    mixes = [([200, 1, 1, 1], [1500, 40, 1, 2048]),  # a chunk with a prefix next to decodes
+             ([64, 64, 64, 64], [64, 128, 64, 1000]),  # prompts and chunks, no decode row
+             ([1] * 8, [7, 2048, 1, 500, 33, 16, 17, 900]),  # all decode, every row real
+             ([3], [3])]  # one short prompt, seven padding requests
+    for q_lens, lens in mixes:
+        n, pad = sum(q_lens), b_bucket - len(q_lens)
+        starts = [0] + torch.tensor(q_lens).cumsum(0).tolist()
+        qsl.copy_(torch.tensor(starts + [n] * pad, dtype=torch.int32))
+        seq_lens.copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32))
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+        table.copy_(perm[: b_bucket * max_blocks].view(b_bucket, max_blocks))
+        query.copy_(torch.randn(query.shape, generator=gen).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_paged_prefill(query[:n], kc, vc, table[:len(q_lens)],
+                                      qsl[:len(q_lens) + 1], seq_lens[:len(q_lens)], scale)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out[:n].double(), ref, atol=atol, rtol=rtol)
+        assert out[n:].isnan().all(), f"padding rows written for {q_lens}"

@@ -111,3 +111,24 @@ def test_unsupported_head_size_raises(device):
     with pytest.raises(NotImplementedError, match="256"):
         paged_prefill_attention(q.clone(), q, cache, cache, table, qsl, lens, 1.0,
                                 max_query_len=2)
+
+
+def test_a_graph_bucket_launch_serves_any_mix_it_holds(device):
+    """What a graph key of a mixed step launches: T_bucket query rows, B_bucket requests and a
+    tile (max_query_len) fixed by the key, whatever the step holds. Requests past the real ones
+    are padding (q_len 0, seq_len 0, block table row 0), tokens past the real ones belong to no
+    request: the real rows equal the unpadded launch's, padding rows are never written."""
+    t_bucket, b_bucket, key_max_query_len = 32, 8, 16
+    for q_lens, seq_lens in (([5, 1, 9], [12, 30, 9]), ([1, 1, 1, 1, 1], [3, 70, 16, 1, 40]),
+                             ([16], [50])):
+        kv, table, qsl, lens, query = _setup(q_lens, seq_lens, 2, 64, 16, "vllm_nhd", device,
+                                             extra_tokens=t_bucket - sum(q_lens))
+        pad = b_bucket - len(q_lens)
+        n = int(qsl[-1])
+        qsl_pad = torch.cat([qsl, qsl.new_full((pad,), n)])
+        lens_pad = torch.cat([lens, lens.new_zeros(pad)])
+        table_pad = torch.cat([table, table.new_zeros(pad, table.shape[1])])
+        ref = reference_paged_prefill(query, kv.key_cache, kv.value_cache, table, qsl, lens, 0.1)
+        out = _run(kv, table_pad, qsl_pad, lens_pad, query, 0.1, key_max_query_len)
+        assert_close_to_ref(out[:n], ref[:n], ATOL, RTOL, f"q_lens {q_lens}")
+        assert out[n:].isnan().all(), "padding tokens must not be written"
