@@ -10,7 +10,7 @@ inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
     lifecycle.unbind(why) / revalidate(event) / drop_graphs(event) / rebind(why)
     lifecycle.begin_step() ... end_step()               # execute_model (or `with step()`)
         lifecycle.prepare_inputs(...)                   #   _prepare_inputs (pure decode)
-        plan = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
+        rows = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
         lifecycle.builds_metadata()                     #   _build_attention_metadata
         lifecycle.forward(args)                         #   _model_forward (consumes the plan)
     lifecycle.capture_model()                           # warm-up, precapture
