@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
+#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in five lanes: ~7.5
+#                                                          minutes on the H200, RUN_GUARD_S=540)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu"]).
 # Sets up the environment (benchmarks/gpu/env.sh: bundle, project, the plugin's entry point),
@@ -25,6 +27,20 @@ mkdir -p "$OUT"
 # shellcheck source=benchmarks/gpu/env.sh
 . benchmarks/gpu/env.sh || exit 3
 export MOE_GRAPHS_TEST_OUT=$OUT
+if [ "${1:-}" = tier ]; then
+  # the whole tier, balanced by the tests' durations on the H200 (the engine parity tests of
+  # the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU)
+  T=tests/graphs/test_gpu_integration.py
+  set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
+    tests/integration tests/attention \
+    + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
+    "$T::test_tiny_checkpoint_graphs_match_kill_switch_eager" \
+    + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
+    + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
+    "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \
+    + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
+    "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity"
+fi
 lanes=() cur=""
 for a in "$@"; do
   if [ "$a" = "+" ]; then lanes+=("$cur"); cur=""; else cur+="$(printf '%q ' "$a")"; fi
