@@ -12,11 +12,10 @@ Lifecycle: warmup -> capture -> replay -> invalidate -> close.
     runner.close()                                       # idempotent
 
 The runner owns neither inputs nor model: `forward(batch_size)` runs the model on the caller's
-static input buffers (the first `batch_size` rows) and returns the static output tensor; it is
-given once (constructor) or per call (`run`, `precapture`), where a step's inputs live in the
-caller's step. A key
-(see `buckets.GraphKey`) runs `warmup_steps` eager steps at its padded size, is then captured
-into the one shared memory pool and replayed from then on. Every graph remembers the KV storage
+static input buffers (the first `batch_size` rows) and returns the static output tensor. It is
+given once (constructor) or with each call (`run`, `precapture`) when the inputs belong to that
+step. A key (see `buckets.GraphKey`) runs `warmup_steps` eager steps at its padded size, is then
+captured into the one shared memory pool and replayed from then on. Every graph remembers the KV storage
 generation it was captured under; replay first asks `storage.check_replay`. Replays, fallbacks,
 captures and memory are counted in `runner.stats` (a plain `GraphStats`; the integration layer
 publishes it as metrics). No vLLM import.
