@@ -23,6 +23,10 @@ def test_parses_every_field():
     assert cfg.capture_failure_policy is CaptureFailurePolicy.RAISE
     assert cfg.precapture is True
     assert PluginConfig.from_dict(cfg.to_dict()) == cfg
+    mixed = PluginConfig.from_dict({"mixed_graphs": True, "token_buckets": [64, 512, 8192]})
+    assert mixed.mixed_graphs is True and mixed.token_buckets == (64, 512, 8192)
+    assert PluginConfig.from_dict(mixed.to_dict()) == mixed
+    assert PluginConfig().mixed_graphs is False  # experimental: off unless asked for
 
 
 def test_frozen():
@@ -32,7 +36,7 @@ def test_frozen():
 
 def test_default_buckets_sorted_and_positive():
     cfg = PluginConfig()
-    for buckets in (cfg.decode_batch_buckets, cfg.context_buckets):
+    for buckets in (cfg.decode_batch_buckets, cfg.context_buckets, cfg.token_buckets):
         assert list(buckets) == sorted(set(buckets)) and buckets[0] > 0
 
 
@@ -54,6 +58,8 @@ def test_default_buckets_sorted_and_positive():
     ({"context_buckets": []}, ["moe_graphs.context_buckets", "non-empty"]),
     ({"context_buckets": 4096}, ["moe_graphs.context_buckets", "4096", "list"]),
     ({"context_buckets": [1.5]}, ["moe_graphs.context_buckets", "1.5", "positive integer"]),
+    ({"token_buckets": [64, 32]}, ["moe_graphs.token_buckets", "strictly increasing"]),
+    ({"mixed_graphs": "on"}, ["moe_graphs.mixed_graphs", "'on'", "true or false"]),
     ({"capture_failure_policy": "ignore"}, ["moe_graphs.capture_failure_policy", "'ignore'",
                                             "quarantine"]),
 ])

@@ -41,6 +41,8 @@ class Reason(str, enum.Enum):
     # per batch
     KILL_SWITCH = "kill_switch"
     MIXED_BATCH = "mixed_batch"
+    STEP_TOO_LARGE = "step_too_large"
+    CASCADE_ATTENTION = "cascade_attention"
     BATCH_TOO_LARGE = "batch_too_large"
     CONTEXT_TOO_LONG = "context_too_long"
     CAPTURE_FAILED = "capture_failed"
@@ -74,7 +76,12 @@ REMEDY: dict[Reason, str] = {
     Reason.DEVICE_MISMATCH: "model, KV cache and runner must be on the same GPU",
     Reason.UNPROVEN: "a safety proof was never supplied; this is a plugin bug, please report it",
     Reason.KILL_SWITCH: "remove the file named by MOE_GRAPHS_KILL_FILE to resume graph replay",
-    Reason.MIXED_BATCH: "batches that mix prefill and decode always run eager; nothing to do",
+    Reason.MIXED_BATCH: "steps with prefill tokens run eager unless mixed_graphs is true "
+    "(experimental, off by default)",
+    Reason.STEP_TOO_LARGE: "raise the largest token_buckets entry to cover this step's query "
+    "tokens (mixed_graphs)",
+    Reason.CASCADE_ATTENTION: "vLLM chose cascade attention for a long shared prefix; such steps "
+    "run eager; nothing to do",
     Reason.BATCH_TOO_LARGE: "raise the largest decode_batch_buckets entry to cover this batch",
     Reason.CONTEXT_TOO_LONG: "raise the largest context_buckets entry to cover this context",
     Reason.CAPTURE_FAILED: "see the log for the capture error; the key stays quarantined and runs "

@@ -56,6 +56,13 @@ class PluginConfig:
     # for pure-decode batch buckets up to 64 rows (needs fast_decode_inputs); false: vLLM
     # computes the logits after the forward.
     logits_in_graph: bool = True
+    # Experimental: steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed
+    # from graphs keyed by (query-token bucket, request bucket) too; false: they run eager
+    # (`mixed_batch`).
+    mixed_graphs: bool = False
+    # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
+    # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -88,6 +95,7 @@ class PluginConfig:
         out = dataclasses.asdict(self)
         out["decode_batch_buckets"] = list(self.decode_batch_buckets)
         out["context_buckets"] = list(self.context_buckets)
+        out["token_buckets"] = list(self.token_buckets)
         out["capture_failure_policy"] = self.capture_failure_policy.value
         return out
 
@@ -154,6 +162,8 @@ _PARSERS = {
     "fuse_qk_norm_rope": _bool,
     "fast_decode_inputs": _bool,
     "logits_in_graph": _bool,
+    "mixed_graphs": _bool,
+    "token_buckets": _buckets,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"
 

@@ -6,7 +6,14 @@ import pytest
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, graph_config, pick_bucket, pick_key
+from vllm_moe_graphs.graphs.buckets import (
+    GraphKey,
+    all_keys,
+    graph_config,
+    pick_bucket,
+    pick_key,
+    pick_mixed_key,
+)
 
 BATCH = (1, 2, 4, 8)
 CONTEXT = (16, 64)
@@ -64,3 +71,22 @@ def test_attention_plans_every_graph_context_bucket():
                             40960).context_buckets) <= set(short)
     assert [context_bucket(short, n) for n in (0, 2048, 2049, 9000, 50000)] == [
         2048, 2048, 8192, 40960, 40960]
+
+
+def test_pick_mixed_key():
+    tokens, reqs = (16, 64, 256), (1, 2, 4, 8)
+    assert pick_mixed_key(6, 2, tokens, reqs) == GraphKey(16, 0, 2)
+    assert pick_mixed_key(64, 5, tokens, reqs) == GraphKey(64, 0, 8)
+    assert pick_mixed_key(257, 2, tokens, reqs) is Reason.STEP_TOO_LARGE
+    assert pick_mixed_key(200, 9, tokens, reqs) is Reason.BATCH_TOO_LARGE
+    key = pick_mixed_key(6, 2, tokens, reqs)
+    assert not key.decode and GraphKey(16, 2048).decode and key != GraphKey(16, 0)
+    with pytest.raises(ValueError, match="num_tokens >= num_reqs"):
+        pick_mixed_key(1, 2, tokens, reqs)
+
+
+def test_graph_config_fits_token_buckets_to_the_token_budget():
+    cfg = PluginConfig(token_buckets=(16, 256, 4096, 8192))
+    assert graph_config(cfg, 64, 4096, 2048).token_buckets == (16, 256, 2048)
+    assert graph_config(cfg, 64, 4096, 8192).token_buckets == (16, 256, 4096, 8192)
+    assert graph_config(cfg, 64, 4096).token_buckets == cfg.token_buckets

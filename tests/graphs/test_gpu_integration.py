@@ -182,6 +182,9 @@ for phase in spec["phases"]:
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 plugin = getattr(runner, "moe_graphs", None)  # None: stock runner
 logits = plugin.logits if plugin is not None else None  # None: vLLM computes them
+graphs = plugin.graphs if plugin is not None else None
+result["graph_keys"] = [[k.batch_bucket, k.context_bucket, k.request_bucket]
+                        for k in graphs.keys] if graphs is not None else []
 result["graph_logits_handed_over"] = logits.handed_over if logits is not None else 0
 result["lean_replay"] = bool(plugin is not None and plugin.lean_replay)
 with open(spec["out"], "w") as f:
@@ -361,6 +364,39 @@ def test_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["sleep"]["identical_to_before_sleep"] == NUM_PROMPTS, summary["sleep"]
     assert summary["sleep"]["invalidations"] > 0, summary["sleep"]
     assert summary["sleep"]["captures_after_wake"] > 0, summary["sleep"]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
+    """mixed_graphs (experimental): steps with prefill tokens are captured and replayed too.
+    Prompts of 40-700 tokens sharing a prefix (prefix-cache hits), chunked by a 256-token step
+    budget so chunks of long prompts share steps with other requests' decode rows: graphs vs
+    the kill switch token-identical, and keys of steps with prefill tokens captured."""
+    model, vocab = _shape_dir(tmp_path, shape)
+    rng = random.Random(1)
+    prefix = [rng.randrange(10, vocab - 10) for _ in range(64)]
+    prompts = [prefix + [rng.randrange(10, vocab - 10) for _ in range(rng.randrange(40, 640))]
+               for _ in range(32)]
+    kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=1024,
+                         enable_prefix_caching=True, enable_chunked_prefill=True,
+                         max_num_batched_tokens=256,
+                         additional_config={"moe_graphs": {"mixed_graphs": True}})
+    result = run_engine(tmp_path, f"mixed-{shape}", kwargs, prompts, parity_phases((8, 32)),
+                        max_tokens=64)
+    summary = check_parity(result)
+    summary["graph_keys"] = result["graph_keys"]
+    summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
+    last = result["phases"][-1]["metrics"]
+    summary["mixed_batch_fallbacks"] = metric(last, "moe_graphs_eager_fallbacks_total",
+                                              reason="mixed_batch")
+    summary["step_too_large_fallbacks"] = metric(last, "moe_graphs_eager_fallbacks_total",
+                                                 reason="step_too_large")
+    report(f"parity-mixed-{shape}", summary)
+    for row in summary["rows"]:
+        assert row["identical_sequences"] == row["sequences"], row
+        assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert summary["mixed_keys"], summary["graph_keys"]
+    assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 
 
 def test_uva_expert_offload_graphs_match_kill_switch_eager(tmp_path):

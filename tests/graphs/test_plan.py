@@ -25,18 +25,21 @@ def test_step_kind(tokens, reqs, max_q, lens, kind):
 
 
 def test_plan_pads_only_on_graph_paths():
-    key = GraphKey(4, 16)
+    key, mixed = GraphKey(4, 16), GraphKey(64, 0, 8)
     cases = [
-        (Decision(Action.REPLAY, key, Reason.ELIGIBLE, 3), 4),
-        (Decision(Action.CAPTURE, key, Reason.ELIGIBLE, 3), 4),
-        (Decision(Action.EAGER, key, Reason.ELIGIBLE, 3), 4),  # warm-up at the padded size
+        (Decision(Action.REPLAY, key, Reason.ELIGIBLE, 3), (4, 4, True)),
+        (Decision(Action.CAPTURE, key, Reason.ELIGIBLE, 3), (4, 4, True)),
+        (Decision(Action.EAGER, key, Reason.ELIGIBLE, 3), (4, 4, True)),  # warm-up, padded
         (Decision(Action.EAGER, key, Reason.MEMORY_BUDGET, 4), None),  # fallback: unpadded
         (Decision(Action.EAGER, None, Reason.MIXED_BATCH, 7), None),
+        # a key with prefill tokens: its token and request buckets, not a uniform decode batch
+        (Decision(Action.REPLAY, mixed, Reason.ELIGIBLE, 50), (64, 8, False)),
+        (Decision(Action.EAGER, mixed, Reason.CAPTURE_FAILED, 50), None),
     ]
-    for decision, rows in cases:
+    for decision, padding in cases:
         plan = StepPlan(StepKind.DECODE, decision, max_context=10)
-        assert plan.padded_rows == rows, decision
-        assert plan.graph_path is (rows is not None)
+        assert plan.padding == padding, decision
+        assert plan.graph_path is (padding is not None)
 
 
 def test_plan_is_frozen():

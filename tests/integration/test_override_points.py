@@ -457,7 +457,7 @@ def test_graph_steps_plan_attention_for_their_keys_context_bucket():
         def __init__(self) -> None:
             self.planned = []
 
-        def plan_for(self, bucket) -> None:
+        def plan_for(self, bucket, max_query_len=None) -> None:
             self.planned.append(bucket)
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
@@ -468,6 +468,74 @@ def test_graph_steps_plan_attention_for_their_keys_context_bucket():
         _step(r, 3, [1, 1, 1])
     _step(r, 2, [5, 1])  # mixed: eager, the builder picks its own bucket
     assert builder.planned == [key.context_bucket, None] * 3 + [None, None], builder.planned
+
+
+def _mixed_graphs_on(r, token_buckets=(8, 16)):
+    import dataclasses
+
+    graphs = r.moe_graphs.graphs
+    graphs.config = dataclasses.replace(graphs.config, mixed_graphs=True,
+                                        token_buckets=token_buckets)
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, mixed_graphs=True)
+
+
+def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
+    """mixed_graphs: a step with prefill tokens pads to its (token bucket, request bucket) key
+    as a non-uniform FULL batch, warms up, is captured and replayed like a decode key, hands
+    vLLM all its real tokens' rows, and plans the varlen kernel's tile from the key."""
+    from vllm_moe_graphs.capability import Reason
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+
+    class Builder:
+        def __init__(self) -> None:
+            self.planned = []
+
+        def plan_for(self, bucket, max_query_len=None) -> None:
+            self.planned.append((bucket, max_query_len))
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=1)
+    _mixed_graphs_on(r)
+    builder = Builder()
+    r.moe_graphs.metadata_builders = [builder]
+    for expected in ("warm-up", "capture", "replay"):
+        mode, desc, out = _step(r, 2, [5, 1])  # 6 query tokens of 2 requests: key (8, 0, 2)
+        assert mode is mode_enum.FULL, expected
+        assert (desc.num_tokens, desc.num_reqs, desc.uniform) == (8, 2, False), expected
+        assert out[:, 0].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0], expected
+    assert capture.captures == 1 and capture.replays == 2
+    assert r.moe_graphs.graphs.keys == (GraphKey(8, 0, 2),)
+    assert builder.planned == [(None, 8), (None, None)] * 3  # the key's tile, then cleared
+    mode, desc, out = _step(r, 1, [12])  # a prompt alone: its own key (16, 0, 1), warm-up
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (16, 1)
+    assert out.shape == (12, 1)
+    # past the last token bucket: eager, unpadded, counted as step_too_large
+    mode, desc, out = _step(r, 2, [10, 9])
+    assert mode is mode_enum.NONE and desc.num_tokens == 19 and out.shape == (19, 1)
+    assert r.moe_graphs.graphs.stats.fallbacks == {Reason.STEP_TOO_LARGE: 1}
+    # decode steps keep their own keys next to the mixed ones
+    mode, desc, out = _step(r, 3, [1, 1, 1])
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.uniform) == (4, True)
+
+
+def test_mixed_graphs_off_and_cascade_attention_run_eager():
+    import numpy as np
+    import torch
+
+    from vllm_moe_graphs.capability import Reason
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=0)
+    mode, desc, out = _step(r, 2, [5, 1])  # the default: mixed steps eager, mixed_batch
+    assert mode is mode_enum.NONE and out.shape == (6, 1)
+    _mixed_graphs_on(r)
+    with r.moe_graphs.step():  # vLLM chose cascade attention: eager whatever the kind
+        mode, desc, *_ = r._determine_batch_execution_and_padding(
+            6, 2, np.array([5, 1], dtype=np.int32), 5, True)
+        ids = torch.arange(1, 7, dtype=torch.int32)
+        r._model_forward(input_ids=ids, positions=ids.long())
+    assert mode is mode_enum.NONE
+    assert r.moe_graphs.graphs.stats.fallbacks == {Reason.MIXED_BATCH: 1,
+                                                   Reason.CASCADE_ATTENTION: 1}
+    assert capture.captures == 0
 
 
 def test_decode_steps_pad_to_the_bucket_warm_up_capture_replay_and_slice():

@@ -1,8 +1,10 @@
-"""Decode graph buckets: which captured graph a decode batch pads into.
+"""Graph buckets: which captured graph a step pads into.
 
-A graph is keyed by `GraphKey(batch_bucket, context_bucket)`: the padded batch size it was
-captured for and the longest context its attention plan covers. Pure functions over host ints;
-nothing here touches a tensor.
+A pure-decode step's graph is keyed by `GraphKey(batch_bucket, context_bucket)`: the padded
+batch size it was captured for and the longest context its attention plan covers. A step that
+carries prefill tokens (`mixed_graphs`) is keyed by `GraphKey(token_bucket, 0,
+request_bucket)`: its padded query tokens and padded requests (the varlen attention kernel has
+no context-dependent plan). Pure functions over host ints; nothing here touches a tensor.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from vllm_moe_graphs.config import PluginConfig
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class GraphKey:
-    """Identity of one captured decode graph; hashable, ordered (batch, then context)."""
+    """Identity of one captured graph; hashable, ordered. `batch_bucket` is the rows the
+    forward runs on: requests of a decode key, query tokens of a key with prefill tokens, whose
+    `request_bucket` (0 for decode keys) counts its padded requests."""
 
     batch_bucket: int
     context_bucket: int
+    request_bucket: int = 0
+
+    @property
+    def decode(self) -> bool:
+        return self.request_bucket == 0
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -45,6 +54,22 @@ def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
     if context is None:
         return Reason.CONTEXT_TOO_LONG
     return GraphKey(batch, context)
+
+
+def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
+                   request_buckets: Sequence[int]) -> GraphKey | Reason:
+    """The key a step with prefill tokens (`num_tokens` query tokens of `num_reqs` requests)
+    pads into; `Reason.STEP_TOO_LARGE` / `Reason.BATCH_TOO_LARGE` past the last bucket."""
+    if num_reqs < 1 or num_tokens < num_reqs:
+        raise ValueError(f"num_tokens={num_tokens!r}, num_reqs={num_reqs!r}: need "
+                         "num_tokens >= num_reqs >= 1")
+    tokens = pick_bucket(num_tokens, token_buckets)
+    if tokens is None:
+        return Reason.STEP_TOO_LARGE
+    reqs = pick_bucket(num_reqs, request_buckets)
+    if reqs is None:
+        return Reason.BATCH_TOO_LARGE
+    return GraphKey(tokens, 0, reqs)
 
 
 def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tuple[GraphKey, ...]:
@@ -77,11 +102,16 @@ def context_bucket(buckets: Sequence[int], max_seq_len: int) -> int:
     return buckets[-1] if picked is None else picked
 
 
-def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int) -> PluginConfig:
+def graph_config(config: PluginConfig, max_num_seqs: int, max_model_len: int,
+                 max_num_tokens: int | None = None) -> PluginConfig:
     """`config` with its buckets fitted to the engine: no batch bucket above max_num_seqs (vLLM's
-    persistent buffers hold that many rows) and no context bucket above max_model_len (no key
+    persistent buffers hold that many rows), no context bucket above max_model_len (no key
     for a context the engine never serves; the attention metadata plans such a context with
-    max_model_len too). A configured largest bucket below the limit stays: past it, eager."""
+    max_model_len too) and no token bucket above max_num_tokens (the scheduler's token budget
+    per step, the size of vLLM's token buffers). A configured largest bucket below the limit
+    stays: past it, eager."""
     return dataclasses.replace(
         config, decode_batch_buckets=_fit(config.decode_batch_buckets, max_num_seqs),
-        context_buckets=_fit(config.context_buckets, max_model_len))
+        context_buckets=_fit(config.context_buckets, max_model_len),
+        token_buckets=(config.token_buckets if max_num_tokens is None
+                       else _fit(config.token_buckets, max_num_tokens)))

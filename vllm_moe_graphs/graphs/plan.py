@@ -70,6 +70,13 @@ class StepPlan:
         return d.key is not None and (d.action is not Action.EAGER or d.warming_up)
 
     @property
-    def padded_rows(self) -> int | None:
-        """Rows vLLM pads the step's inputs to (None: unpadded, vLLM's own sizes)."""
-        return self.decision.key.batch_bucket if self.graph_path else None
+    def padding(self) -> tuple[int, int, bool] | None:
+        """(tokens, requests, uniform decode) vLLM pads the step to on a graph path: the
+        decode key's rows, or the token and request buckets of a key with prefill tokens.
+        None: unpadded, vLLM's own sizes."""
+        if not self.graph_path:
+            return None
+        key = self.decision.key
+        if key.decode:
+            return key.batch_bucket, key.batch_bucket, True
+        return key.batch_bucket, key.request_bucket, False

@@ -34,7 +34,7 @@ import torch
 
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
-from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key
+from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key, pick_mixed_key
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
 from vllm_moe_graphs.graphs.stats import GraphStats
 
@@ -161,16 +161,24 @@ class DecodeGraphRunner:
         return self._closed
 
     # -- plan ------------------------------------------------------------------------------------
-    def decide(self, num_reqs: int, max_context: int, is_pure_decode: bool) -> Decision:
-        """The per-batch decision (host ints only). A replay whose storage proof fails
-        invalidates every graph and runs eager with the storage's reason."""
+    def decide(self, num_reqs: int, max_context: int, is_pure_decode: bool, *,
+               requests: int | None = None) -> Decision:
+        """The per-batch decision (host ints only). `num_reqs` counts the forward's rows: the
+        requests of a pure-decode step, the query tokens of any other, whose `requests` (with
+        `mixed_graphs`) picks a key of steps with prefill tokens; without it such a step runs
+        eager (`mixed_batch`). A replay whose storage proof fails invalidates every graph and
+        runs eager with the storage's reason."""
         self._check_open("decide")
-        if not is_pure_decode:
+        if not is_pure_decode and (requests is None or not self.config.mixed_graphs):
             return Decision(Action.EAGER, None, Reason.MIXED_BATCH, num_reqs)
         if self._kill is not None and self._kill.active():
             return Decision(Action.EAGER, None, Reason.KILL_SWITCH, num_reqs)
-        key = pick_key(num_reqs, max_context, self.config.decode_batch_buckets,
-                       self.config.context_buckets)
+        if is_pure_decode:
+            key = pick_key(num_reqs, max_context, self.config.decode_batch_buckets,
+                           self.config.context_buckets)
+        else:
+            key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
+                                 self.config.decode_batch_buckets)
         if isinstance(key, Reason):
             return Decision(Action.EAGER, None, key, num_reqs)
         if self._no_graphs is not None:

@@ -33,7 +33,7 @@ import torch
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.buckets import graph_config
 from vllm_moe_graphs.graphs.plan import StepKind, StepPlan, step_kind
-from vllm_moe_graphs.graphs.runner import Action, DecodeGraphRunner
+from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
 from vllm_moe_graphs.integration.graph_logits import install_graph_logits
@@ -211,7 +211,7 @@ class GraphLifecycle:
         report = hooks.record_capability(r.vllm_config, rank(), proof,
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
-            config = graph_config(c, r.max_num_reqs, r.max_model_len)
+            config = graph_config(c, r.max_num_reqs, r.max_model_len, r.max_num_tokens)
             self.graphs = DecodeGraphRunner(None, config, storage=self.storage,
                                             kill_switch=KillSwitch.from_env())
             self.graphs.set_scratch_bytes(sum(
@@ -219,6 +219,10 @@ class GraphLifecycle:
             logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
                         "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
                         list(config.context_buckets), c.warmup_steps, c.graph_memory_budget_mib)
+            if c.mixed_graphs:
+                logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs, "
+                            "experimental): token buckets %s, request buckets %s",
+                            list(config.token_buckets), list(config.decode_batch_buckets))
         if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
             why = unsupported(r)
             self.inputs = DecodeInputs(r) if why is None else None
@@ -250,7 +254,7 @@ class GraphLifecycle:
 
     def end_step(self) -> None:
         self._step = None
-        self._plan_attention(None)
+        self._plan_attention(None, None)
         if self.logits is not None:
             self.logits.clear()
         self.publish()  # after the step: never inside a captured region
@@ -272,26 +276,32 @@ class GraphLifecycle:
         return self.inputs.prepare(self._runner, scheduler_output)
 
     def plan(self, num_tokens: int, num_reqs: int, query_lens: np.ndarray | None,
-             max_query_len: int, use_cascade_attn: bool, force_eager: bool) -> int | None:
+             max_query_len: int, use_cascade_attn: bool,
+             force_eager: bool) -> tuple[int, int, bool] | None:
         """Plan the step vLLM is about to pad (host ints only: the scheduler's lengths; no GPU
-        value is read). Returns the rows to pad it to as a uniform decode batch (a graph path,
-        or precapture's dummy batch), or None: vLLM's own unpadded sizes."""
+        value is read). Returns (tokens, requests, uniform decode) to pad it to on a graph path
+        (or precapture's dummy batch), or None: vLLM's own unpadded sizes."""
         if self.graphs is None:
             return None
         if self._capturing is not None:
-            self._plan_attention(self._capturing.context_bucket)
-            return self._capturing.batch_bucket
+            self._plan_attention(self._capturing.context_bucket, None)
+            return self._capturing.batch_bucket, self._capturing.batch_bucket, True
         step = self._step
         if step is None:
             return None  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
         kind = step_kind(num_tokens, num_reqs, max_query_len, query_lens)
-        decode = kind is StepKind.DECODE and not use_cascade_attn and not force_eager
+        decode = kind is StepKind.DECODE and not force_eager
+        mixed = kind is not StepKind.DECODE and not force_eager and self.config.mixed_graphs
         max_context = int(self._runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].max()) \
-            if decode else 0
-        if decode and self.kv_rebound():
-            self.rebind("a layer's KV tensor was rebound behind the storage")
-        # Rows are query tokens: for a decode batch one per request; a mixed batch keeps all.
-        d = self.graphs.decide(num_tokens, max_context, decode)
+            if decode and not use_cascade_attn else 0
+        if use_cascade_attn:  # vLLM's cascade plan is not ours: eager, whatever the kind
+            d = Decision(Action.EAGER, None, Reason.CASCADE_ATTENTION, num_tokens)
+        else:
+            if (decode or mixed) and self.kv_rebound():
+                self.rebind("a layer's KV tensor was rebound behind the storage")
+            # Rows are query tokens: one per request in a decode step, all of them otherwise.
+            d = self.graphs.decide(num_tokens, max_context, decode,
+                                   requests=num_reqs if mixed else None)
         graph_path = d.key is not None and (d.action is not Action.EAGER or d.warming_up)
         # NOTE: the LM head joins the forward on every graph path (warm-up, capture, replay)
         # of a key that has it, whatever prepared the inputs: a key's graph has it or not for
@@ -300,8 +310,13 @@ class GraphLifecycle:
             kind, d, max_context, fast_inputs=step.fast_inputs,
             with_logits=graph_path and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
-        self._plan_attention(d.key.context_bucket if graph_path else None)
-        return step.plan.padded_rows
+        if not graph_path:
+            self._plan_attention(None, None)
+        elif d.key.decode:
+            self._plan_attention(d.key.context_bucket, None)
+        else:  # the varlen kernel's tile is the key's: one launch shape per graph
+            self._plan_attention(None, d.key.batch_bucket)
+        return step.plan.padding
 
     def builds_metadata(self) -> bool:
         """Whether this step needs vLLM's attention metadata. A lean replay runs no Python of
@@ -357,7 +372,7 @@ class GraphLifecycle:
                 yield
         finally:
             self._real_model, self._capturing = None, None
-            self._plan_attention(None)
+            self._plan_attention(None, None)
 
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
@@ -368,10 +383,10 @@ class GraphLifecycle:
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
-    def _plan_attention(self, context_bucket: int | None) -> None:
-        """Our metadata builders plan the next build for this graph key's context bucket."""
+    def _plan_attention(self, context_bucket: int | None, max_query_len: int | None) -> None:
+        """Our metadata builders plan the next build for this graph key (`plan_for`)."""
         for builder in self.metadata_builders:
-            builder.plan_for(context_bucket)
+            builder.plan_for(context_bucket, max_query_len)
 
     def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
         """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
@@ -390,4 +405,5 @@ class GraphLifecycle:
 
     def _logits_for(self, key: GraphKey) -> bool:
         """Whether `key`'s graph computes the logits (fixed per key for the engine's life)."""
-        return self.logits is not None and key.batch_bucket <= self.logits.buffer.shape[0]
+        return (self.logits is not None and key.decode
+                and key.batch_bucket <= self.logits.buffer.shape[0])

@@ -185,13 +185,15 @@ class MoeGraphsModelRunner(GPUModelRunner):
             use_cascade_attn, allow_microbatching=allow_microbatching, force_eager=force_eager,
             force_uniform_decode=force_uniform_decode, force_has_lora=force_has_lora,
             force_num_active_loras=force_num_active_loras, num_encoder_reqs=num_encoder_reqs)
-        rows = self.moe_graphs.plan(num_tokens, num_reqs, num_scheduled_tokens_np,
-                                    max_num_scheduled_tokens, use_cascade_attn, force_eager)
-        if rows is None:
+        padding = self.moe_graphs.plan(num_tokens, num_reqs, num_scheduled_tokens_np,
+                                       max_num_scheduled_tokens, use_cascade_attn, force_eager)
+        if padding is None:
             return out
-        # vLLM's FULL runtime mode with a uniform-decode descriptor of the bucket's rows
-        return (CUDAGraphMode.FULL, BatchDescriptor(num_tokens=rows, num_reqs=rows, uniform=True),
-                *out[2:])
+        # vLLM's FULL runtime mode with a descriptor of the key's buckets: vLLM pads the
+        # inputs, slot mapping and attention metadata to them
+        tokens, reqs, uniform = padding
+        return (CUDAGraphMode.FULL,
+                BatchDescriptor(num_tokens=tokens, num_reqs=reqs, uniform=uniform), *out[2:])
 
     def _model_forward(self, input_ids: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None,

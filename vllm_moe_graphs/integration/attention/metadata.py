@@ -124,8 +124,9 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         self._workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=device)
         # data_ptr()s of the runner buffers build() may read in place (see read_in_place)
         self._in_place: tuple[int, int, int] | None = None
-        # the context bucket of the graph key the current step was planned for (plan_for)
+        # the graph key the current step was planned for (plan_for)
         self._planned_context: int | None = None
+        self._planned_query_len: int | None = None
 
     # ------------------------------------------------------------------------- plan
 
@@ -135,12 +136,14 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
             return 1
         return choose_num_splits(num_reqs, self.num_heads_kv, bucket, self.num_sms)
 
-    def plan_for(self, context_bucket: int | None) -> None:
-        """The next builds are for a graph key of this context bucket (None: no key, the
-        builder picks the bucket from the step's longest context). A graph replays the split
-        count it was captured with, so a key's steps must plan exactly that one: the plugin's
-        step plan hands its key's bucket over before vLLM builds the step's metadata."""
+    def plan_for(self, context_bucket: int | None, max_query_len: int | None = None) -> None:
+        """The next builds are for a graph key: a decode key's context bucket (the decode
+        kernel's split count), a mixed key's query-length bound (the varlen kernel's tile).
+        None: no key, the builder plans from the step itself. A graph replays the launch it was
+        captured with, so a key's steps must plan exactly that one: the plugin's step plan hands
+        its key over before vLLM builds the step's metadata."""
         self._planned_context = context_bucket
+        self._planned_query_len = max_query_len
 
     def read_in_place(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor) -> None:
@@ -219,7 +222,7 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         return MoeGraphsAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
-            max_query_len=cm.max_query_len,
+            max_query_len=self._planned_query_len or cm.max_query_len,
             max_seq_len=cm.max_seq_len,
             decode=decode,
             query_start_loc=query_start_loc,
