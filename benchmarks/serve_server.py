@@ -200,9 +200,9 @@ def _group_has_others(pgid: int) -> bool:
 
 
 def step_counters(metrics_text: str) -> dict[str, float]:
-    """Flat counters from a /metrics text: `replays`, `captures`, `fallback:<reason>` (the
-    plugin's, summed over ranks), and vLLM's `engine_steps` (the iteration-tokens histogram's
-    count) and `preemptions`."""
+    """Flat counters from a /metrics text: `replays`, `replays:<step kind>`, `captures`,
+    `fallback:<reason>` (the plugin's, summed over ranks), and vLLM's `engine_steps` (the
+    iteration-tokens histogram's count) and `preemptions`."""
     out: dict[str, float] = {}
 
     def add(key: str, value: float) -> None:
@@ -212,6 +212,8 @@ def step_counters(metrics_text: str) -> dict[str, float]:
         for s in fam.samples:
             if s.name == "moe_graphs_replays_total":
                 add("replays", s.value)
+                if "kind" in s.labels:
+                    add("replays:" + s.labels["kind"], s.value)
             elif s.name == "moe_graphs_captures_total":
                 add("captures", s.value)
             elif s.name == "moe_graphs_eager_fallbacks_total":
@@ -240,6 +242,8 @@ def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict
     counted = replays + sum(fallbacks.values())
     out.update(
         replays=replays,
+        replays_by_kind={k.split(":", 1)[1]: int(v) for k, v in sorted(diff.items())
+                         if k.startswith("replays:") and v > 0},
         captures=int(diff.get("captures", 0)),
         eager=fallbacks,
         replayed_share=round(replays / counted, 4) if counted else None,

@@ -52,8 +52,9 @@ def test_serve_with_plugin(tiny_qwen3, cpu_vllm, tmp_path):
     assert info == ['moe_graphs_info{mode="stock",version="0.1.0"} 1.0'], info
     assert 'moe_graphs_capability{reason="no_cuda"} 1.0' in metrics
     assert 'moe_graphs_capability{reason="eligible"} 0.0' in metrics
-    assert _metric_lines(metrics, "moe_graphs_replays_total") == [
-        'moe_graphs_replays_total{rank="0"} 0.0']
+    assert sorted(_metric_lines(metrics, "moe_graphs_replays_total")) == [
+        f'moe_graphs_replays_total{{kind="{k}",rank="0"}} 0.0'
+        for k in ("decode", "mixed", "prefill")]
     assert re.search(r"^vllm:", metrics, re.MULTILINE), "vLLM's own metrics must stay"
 
 
@@ -79,7 +80,7 @@ def test_serve_two_api_servers_no_double_counting(tiny_qwen3, cpu_vllm, tmp_path
     for metrics in scrapes:
         info = [ln for ln in _metric_lines(metrics, "moe_graphs_info") if ln.endswith(" 1.0")]
         assert info == ['moe_graphs_info{mode="stock",version="0.1.0"} 1.0'], info
-        assert len(_metric_lines(metrics, "moe_graphs_replays_total")) == 1
+        assert len(_metric_lines(metrics, "moe_graphs_replays_total")) == 3  # one per step kind
         assert len(re.findall(r'^moe_graphs_capability\{reason="no_cuda"\} 1\.0$', metrics,
                               re.MULTILINE)) == 1
 
@@ -101,7 +102,8 @@ def test_serve_tensor_parallel_each_rank_once(tiny_qwen3, cpu_vllm, tmp_path):
     recorded = re.findall(r"recorded capability in process \S+ \(pid \d+, rank (\d+)\)", log)
     assert sorted(set(recorded)) == ["0", "1"], recorded
     assert sorted(_metric_lines(metrics, "moe_graphs_replays_total")) == [
-        'moe_graphs_replays_total{rank="0"} 0.0', 'moe_graphs_replays_total{rank="1"} 0.0']
+        f'moe_graphs_replays_total{{kind="{k}",rank="{r}"}} 0.0'
+        for k in ("decode", "mixed", "prefill") for r in ("0", "1")]
     info = [ln for ln in _metric_lines(metrics, "moe_graphs_info") if ln.endswith(" 1.0")]
     assert info == ['moe_graphs_info{mode="stock",version="0.1.0"} 1.0'], info
 

@@ -22,14 +22,16 @@ def _scrape(directory: str) -> str:
 
 
 def _value(text: str, name: str, **labels: str) -> float | None:
+    """Sum of the samples of `name` whose labels include `labels` (None: no such sample)."""
+    total = None
     for line in text.splitlines():
         m = re.match(rf"^{name}(\{{(.*)\}})? (\S+)$", line)
         if not m:
             continue
         got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if got == labels:
-            return float(m.group(3))
-    return None
+        if all(got.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(3))
+    return total
 
 
 def _samples(text: str, name: str) -> list[str]:
@@ -59,28 +61,36 @@ def test_every_metric_exported_with_prefix(tmp_path):
 
 
 def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
+    from vllm_moe_graphs.graphs.kinds import StepKind
     from vllm_moe_graphs.graphs.stats import GraphStats
 
     rec = MetricsRecorder(rank=0, directory=str(tmp_path))
-    stats = GraphStats(replays=3, captures=1, capture_seconds=[0.5], pool_bytes=2048,
-                       scratch_bytes=64)
-    stats.fallback(Reason.MIXED_BATCH)
+    stats = GraphStats(captures=1, capture_seconds=[0.5], pool_bytes=2048, scratch_bytes=64)
+    for _ in range(3):
+        stats.replay()
+    stats.fallback(Reason.MIXED_BATCH, StepKind.MIXED)
     rec.publish(stats)
     assert stats.capture_seconds == [], "observations are handed over once"
     rec.publish(stats)  # nothing changed: nothing added
-    stats.replays += 2
-    stats.fallback(Reason.MIXED_BATCH)
+    stats.replay()
+    stats.replay(StepKind.PREFILL)
+    stats.fallback(Reason.MIXED_BATCH, StepKind.PREFILL)
     stats.fallback(Reason.KILL_SWITCH)
     stats.capture_failures += 1
     stats.pool_bytes = 0
     rec.publish(stats)
     # a second runner in the process: its counters add from zero, its gauges replace
-    other = GraphStats(replays=1, scratch_bytes=32)
+    other = GraphStats(scratch_bytes=32)
+    other.replay()
     rec.publish(other)
     text = _scrape(str(tmp_path))
-    assert _value(text, "moe_graphs_replays_total", rank="0") == 6
-    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="mixed_batch", rank="0") == 2
-    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="kill_switch", rank="0") == 1
+    assert _value(text, "moe_graphs_replays_total", kind="decode", rank="0") == 5
+    assert _value(text, "moe_graphs_replays_total", kind="prefill", rank="0") == 1
+    assert _value(text, "moe_graphs_replays_total", kind="mixed", rank="0") == 0
+    fallbacks = "moe_graphs_eager_fallbacks_total"
+    assert _value(text, fallbacks, reason="mixed_batch", kind="mixed", rank="0") == 1
+    assert _value(text, fallbacks, reason="mixed_batch", kind="prefill", rank="0") == 1
+    assert _value(text, fallbacks, reason="kill_switch", kind="decode", rank="0") == 1
     assert _value(text, "moe_graphs_captures_total", rank="0") == 1
     assert _value(text, "moe_graphs_capture_failures_total", rank="0") == 1
     assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 1
@@ -141,7 +151,7 @@ def test_two_worker_processes_no_double_counting(tmp_path):
     text = _scrape(str(tmp_path))
     assert _value(text, "moe_graphs_replays_total", rank="0") == 10
     assert _value(text, "moe_graphs_replays_total", rank="1") == 11
-    assert len(_samples(text, "moe_graphs_replays_total")) == 2
+    assert len(_samples(text, "moe_graphs_replays_total")) == 2 * 3  # ranks x step kinds
     assert _value(text, "moe_graphs_eager_fallbacks_total", reason="kill_switch", rank="1") == 2
     assert _value(text, "moe_graphs_pool_bytes", rank="1") == 2000
     info = [s for s in _samples(text, "moe_graphs_info") if s.endswith(" 1.0")]

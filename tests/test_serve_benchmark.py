@@ -101,10 +101,15 @@ def test_summarize_flags_a_lagging_client_and_empty_windows():
 
 
 # -- /metrics and the server log ----------------------------------------------------------------
-def _exposition(replays, fallbacks, steps, plugin=True):
+def _exposition(replays, fallbacks, steps, plugin=True, mixed_replays=None):
     reg = CollectorRegistry()
-    if plugin:
+    if plugin and mixed_replays is not None:  # the plugin's series with their `kind` label
+        r = Counter("moe_graphs_replays", "r", ["kind", "rank"], registry=reg)
+        r.labels("decode", "0").inc(replays - mixed_replays)
+        r.labels("mixed", "0").inc(mixed_replays)
+    elif plugin:
         Counter("moe_graphs_replays", "r", ["rank"], registry=reg).labels("0").inc(replays)
+    if plugin:
         fb = Counter("moe_graphs_eager_fallbacks", "f", ["reason", "rank"], registry=reg)
         for reason, n in fallbacks.items():
             fb.labels(reason, "0").inc(n)
@@ -125,6 +130,9 @@ def test_step_shares_from_real_exposition():
     stock = step_shares(step_counters(_exposition(0, {}, 3, plugin=False)),
                         step_counters(_exposition(0, {}, 9, plugin=False)))
     assert stock == {"engine_steps": 6, "preemptions": 0}
+    by_kind = step_shares(step_counters(_exposition(10, {}, 15, mixed_replays=2)),
+                          step_counters(_exposition(40, {}, 55, mixed_replays=12)))
+    assert by_kind["replays"] == 30 and by_kind["replays_by_kind"] == {"decode": 20, "mixed": 10}
 
 
 def test_log_facts_reads_what_vllm_logs():

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge, Histogram, values
 
 from vllm_moe_graphs import __version__, envs
 from vllm_moe_graphs.capability import DecodeGraphCapability, Reason
+from vllm_moe_graphs.graphs.kinds import StepKind
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.stats import GraphStats
@@ -42,8 +43,8 @@ METRICS: dict[str, str] = {
     "moe_graphs_info": "vllm_moe_graphs version and mode (value 1 for the current mode)",
     "moe_graphs_capability": "1 for each reason in the current capability report "
     "(reason=eligible when decode graphs may replay), 0 otherwise",
-    "moe_graphs_replays_total": "decode steps replayed from a CUDA graph",
-    "moe_graphs_eager_fallbacks_total": "decode steps run eager, by reason",
+    "moe_graphs_replays_total": "engine steps replayed from a CUDA graph, by step kind",
+    "moe_graphs_eager_fallbacks_total": "engine steps run eager, by reason and step kind",
     "moe_graphs_captures_total": "CUDA graphs captured",
     "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined)",
     "moe_graphs_capture_seconds": "time to capture one CUDA graph",
@@ -112,12 +113,14 @@ class MetricsRecorder:
             self._capability = Gauge("moe_graphs_capability", METRICS["moe_graphs_capability"],
                                      ["reason"], registry=None, multiprocess_mode="max")
             self._capability_children = {x: self._capability.labels(x.value) for x in Reason}
-            self._replays = Counter("moe_graphs_replays", METRICS["moe_graphs_replays_total"],
-                                    ["rank"], registry=None).labels(r)
+            replays = Counter("moe_graphs_replays", METRICS["moe_graphs_replays_total"],
+                              ["kind", "rank"], registry=None)
+            self._replays = {k: replays.labels(k.value, r) for k in StepKind}
             fallbacks = Counter("moe_graphs_eager_fallbacks",
-                                METRICS["moe_graphs_eager_fallbacks_total"], ["reason", "rank"],
-                                registry=None)
-            self._fallbacks = {x: fallbacks.labels(x.value, r) for x in Reason}
+                                METRICS["moe_graphs_eager_fallbacks_total"],
+                                ["reason", "kind", "rank"], registry=None)
+            self._fallbacks = {(x, k): fallbacks.labels(x.value, k.value, r)
+                               for x in Reason for k in StepKind}
             self._captures = Counter("moe_graphs_captures", METRICS["moe_graphs_captures_total"],
                                      ["rank"], registry=None).labels(r)
             self._capture_failures = Counter(
@@ -147,13 +150,13 @@ class MetricsRecorder:
         for reason, child in self._capability_children.items():
             child.set(1 if reason in current else 0)
 
-    def replay(self, n: int = 1) -> None:
-        self._replays.inc(n)
+    def replay(self, n: int = 1, kind: StepKind = StepKind.DECODE) -> None:
+        self._replays[StepKind(kind)].inc(n)
 
-    def fallback(self, reason: Reason, n: int = 1) -> None:
+    def fallback(self, reason: Reason, n: int = 1, kind: StepKind = StepKind.DECODE) -> None:
         if not isinstance(reason, Reason):
             raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
-        self._fallbacks[reason].inc(n)
+        self._fallbacks[reason, StepKind(kind)].inc(n)
 
     def capture(self, seconds: float) -> None:
         self._captures.inc()
@@ -178,16 +181,18 @@ class MetricsRecorder:
         A new `stats` object (a new runner) starts from zero."""
         last = self._published.get(id(stats))
         if last is None or last[0] is not stats:
-            last = self._published[id(stats)] = [stats, 0, {}, 0, 0, None]
+            last = self._published[id(stats)] = [stats, {}, {}, 0, 0, None]
         _, replays, fallbacks, captures, failures, memory = last
-        if stats.replays != replays:
-            self.replay(stats.replays - replays)
-            last[1] = stats.replays
-        if stats.fallbacks != fallbacks:
-            for reason, n in stats.fallbacks.items():
-                if n != fallbacks.get(reason, 0):
-                    self.fallback(reason, n - fallbacks.get(reason, 0))
-            last[2] = dict(stats.fallbacks)
+        if stats.replays_by_kind != replays:
+            for kind, n in stats.replays_by_kind.items():
+                if n != replays.get(kind, 0):
+                    self.replay(n - replays.get(kind, 0), kind)
+            last[1] = dict(stats.replays_by_kind)
+        if stats.fallbacks_by_kind != fallbacks:
+            for (reason, kind), n in stats.fallbacks_by_kind.items():
+                if n != fallbacks.get((reason, kind), 0):
+                    self.fallback(reason, n - fallbacks.get((reason, kind), 0), kind)
+            last[2] = dict(stats.fallbacks_by_kind)
         if stats.captures != captures:
             self._captures.inc(stats.captures - captures)
             last[3] = stats.captures

@@ -9,7 +9,8 @@ import pytest
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs import Action, Decision, GraphKey
-from vllm_moe_graphs.graphs.plan import StepKind, StepPlan, step_kind
+from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
+from vllm_moe_graphs.graphs.plan import StepPlan
 
 
 @pytest.mark.parametrize("tokens,reqs,max_q,lens,kind", [

@@ -485,6 +485,7 @@ def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
     vLLM all its real tokens' rows, and plans the varlen kernel's tile from the key."""
     from vllm_moe_graphs.capability import Reason
     from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.graphs.kinds import StepKind
 
     class Builder:
         def __init__(self) -> None:
@@ -511,7 +512,11 @@ def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
     # past the last token bucket: eager, unpadded, counted as step_too_large
     mode, desc, out = _step(r, 2, [10, 9])
     assert mode is mode_enum.NONE and desc.num_tokens == 19 and out.shape == (19, 1)
-    assert r.moe_graphs.graphs.stats.fallbacks == {Reason.STEP_TOO_LARGE: 1}
+    stats = r.moe_graphs.graphs.stats
+    assert stats.fallbacks == {Reason.STEP_TOO_LARGE: 1}
+    # counted under the step's kind (the metrics' `kind` label)
+    assert stats.replays_by_kind == {StepKind.MIXED: 2}  # the capture's replay and one more
+    assert stats.fallbacks_by_kind == {(Reason.STEP_TOO_LARGE, StepKind.PREFILL): 1}
     # decode steps keep their own keys next to the mixed ones
     mode, desc, out = _step(r, 3, [1, 1, 1])
     assert mode is mode_enum.FULL and (desc.num_tokens, desc.uniform) == (4, True)

@@ -6,13 +6,7 @@ token counts, the longest context, which path prepared the inputs) and produces 
 nothing else. Nothing the run phase does changes the plan: a capture that fails is reported in
 the `Decision` `DecodeGraphRunner.run` returns, not written back.
 
-A step's kind is one of a fixed set, the label its replays and fallbacks are counted under:
-
-kind    | what the scheduler sent
-------- | --------------------------------------------------------------------------------------
-decode  | one query token per request (no draft tokens, no cascade attention, not forced eager)
-prefill | every request brings more than one query token (a prompt or a chunk of one)
-mixed   | anything else: prefill chunks next to decode rows
+A step's kind (`graphs/kinds.py`) is the label its replays and fallbacks are counted under.
 
 No vLLM import: the integration layer builds plans from vLLM's arguments.
 """
@@ -20,29 +14,9 @@ No vLLM import: the integration layer builds plans from vLLM's arguments.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Sequence
 
-import numpy as np
-
+from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.runner import Action, Decision
-
-
-class StepKind(str, enum.Enum):
-    DECODE = "decode"
-    MIXED = "mixed"
-    PREFILL = "prefill"
-
-
-def step_kind(num_tokens: int, num_reqs: int, max_query_len: int,
-              query_lens: Sequence[int] | None = None) -> StepKind:
-    """The kind of a step of `num_reqs` requests and `num_tokens` query tokens; `query_lens`
-    (per request, at least `num_reqs` long) tells prefill from mixed (without: mixed)."""
-    if max_query_len == 1 and num_tokens == num_reqs:
-        return StepKind.DECODE
-    if query_lens is not None and num_reqs and int(np.min(query_lens[:num_reqs])) > 1:
-        return StepKind.PREFILL
-    return StepKind.MIXED
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

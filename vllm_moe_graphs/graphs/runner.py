@@ -36,6 +36,7 @@ from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key, pick_mixed_key
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
+from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.stats import GraphStats
 
 if TYPE_CHECKING:
@@ -207,11 +208,12 @@ class DecodeGraphRunner:
         """`decide()` then `run()`, for a caller whose buffers need no padding by the decision."""
         return self.run(self.decide(num_reqs, max_context, is_pure_decode), forward)
 
-    def run(self, decision: Decision,
-            forward: Forward | None = None) -> tuple[torch.Tensor, Decision]:
-        """Run one decode step as `decision` (from `decide()`, which the caller padded its
-        buffers by) says, through `forward` (default: the constructor's); returns the output's
-        first `decision.num_reqs` rows and the decision as run (a failed capture runs eager)."""
+    def run(self, decision: Decision, forward: Forward | None = None,
+            kind: StepKind = StepKind.DECODE) -> tuple[torch.Tensor, Decision]:
+        """Run one step as `decision` (from `decide()`, which the caller padded its buffers by)
+        says, through `forward` (default: the constructor's), counted under `kind`; returns the
+        output's first `decision.num_reqs` rows and the decision as run (a failed capture runs
+        eager)."""
         self._check_open("run")
         d, num_reqs = decision, decision.num_reqs
         fwd = self._forward_fn(forward)
@@ -230,9 +232,9 @@ class DecodeGraphRunner:
         else:
             out = fwd(num_reqs)
         if d.action is not Action.EAGER:
-            self.stats.replays += 1
+            self.stats.replay(kind)
         elif not d.warming_up:
-            self.stats.fallback(d.reason)
+            self.stats.fallback(d.reason, kind)
         return out[:num_reqs], d  # [num_reqs, ...]: padding rows never leave the runner
 
     def precapture(self, keys: Iterable[GraphKey] | None = None,

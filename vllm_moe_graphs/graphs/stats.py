@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_moe_graphs.capability import Reason
+from vllm_moe_graphs.graphs.kinds import StepKind
 
 
 @dataclasses.dataclass(slots=True)
@@ -19,14 +20,23 @@ class GraphStats:
 
     replays: int = 0  # steps whose output came from a graph (replay, or capture then replay)
     fallbacks: dict[Reason, int] = dataclasses.field(default_factory=dict)  # eager, by reason
+    # the same two by step kind (the metrics' `kind` label)
+    replays_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
+    fallbacks_by_kind: dict[tuple[Reason, StepKind], int] = dataclasses.field(
+        default_factory=dict)
     captures: int = 0
     capture_failures: int = 0
     capture_seconds: list[float] = dataclasses.field(default_factory=list)  # unpublished
     pool_bytes: int = 0  # the shared graph pool, now
     scratch_bytes: int = 0  # the caller's static buffers and scratch, now
 
-    def fallback(self, reason: Reason) -> None:
+    def replay(self, kind: StepKind = StepKind.DECODE) -> None:
+        self.replays += 1
+        self.replays_by_kind[kind] = self.replays_by_kind.get(kind, 0) + 1
+
+    def fallback(self, reason: Reason, kind: StepKind = StepKind.DECODE) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        self.fallbacks_by_kind[reason, kind] = self.fallbacks_by_kind.get((reason, kind), 0) + 1
 
     @property
     def eager_fallbacks(self) -> int:

@@ -32,7 +32,8 @@ import torch
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.buckets import graph_config
-from vllm_moe_graphs.graphs.plan import StepKind, StepPlan, step_kind
+from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
+from vllm_moe_graphs.graphs.plan import StepPlan
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
@@ -335,7 +336,8 @@ class GraphLifecycle:
         if plan is None or self.graphs is None:
             return None
         step.plan = None
-        out, _ = self.graphs.run(plan.decision, self._forward_fn(args, plan.with_logits))
+        out, _ = self.graphs.run(plan.decision, self._forward_fn(args, plan.with_logits),
+                                 plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
         return out
