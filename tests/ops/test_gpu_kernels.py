@@ -176,6 +176,20 @@ def test_prefill_mixed_batch(cfg):
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
 
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """`step` run once on a side stream (the Triton compiles happen outside the capture), then
+    captured into a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def test_cuda_graph_replay_with_new_lengths_and_tables():
     """Capture write_kv + decode (non-split and split) once, then replay on new data in place."""
     head_size, block_size, dtype, group, num_kv_heads = 128, 16, torch.bfloat16, 4, 4
@@ -207,14 +221,7 @@ def test_cuda_graph_replay_with_new_lengths_and_tables():
         paged_decode_attention(out_split, query, kc, vc, table, seq_lens, scale,
                                num_splits=splits, workspace=ws)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
 
     for round_ in range(3):
         lens = torch.randint(1, max_context + 1, (batch,), generator=gen)
@@ -276,14 +283,7 @@ def test_prefill_graph_replays_any_mix_of_its_bucket():
         paged_prefill_attention(out, query, kc, vc, table, qsl, seq_lens, scale,
                                 max_query_len=key_max_query_len)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
 
     mixes = [([200, 1, 1, 1], [1500, 40, 1, 2048]),  # a chunk with a prefix next to decodes
              ([64, 64, 64, 64], [64, 128, 64, 1000]),  # prompts and chunks, no decode row
