@@ -28,8 +28,8 @@ from typing import Any
 from benchmarks import serve_report as report
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
-from benchmarks.serve_server import OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, \
-    log_facts, parse_modes, step_shares
+from benchmarks.serve_server import DEFAULT_MODES, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, \
+    ServeMode, log_facts, parse_modes, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
 
@@ -92,8 +92,8 @@ def parser() -> argparse.ArgumentParser:
                     "config.json (default: qwen3-0.6b)")
     ap.add_argument("--num-layers", type=int, default=None,
                     help="cut a shipped shape to this many layers (default: all)")
-    ap.add_argument("--modes", type=_csv, default=list(SERVE_MODES),
-                    help=f"comma-separated (default: {','.join(SERVE_MODES)})")
+    ap.add_argument("--modes", type=_csv, default=list(DEFAULT_MODES),
+                    help=f"comma-separated (default: {','.join(DEFAULT_MODES)})")
     ap.add_argument("--workloads", type=_csv, default=None,
                     help="comma-separated (default: chat,long, plus moe_offload for a MoE shape)")
     ap.add_argument("--rates", type=_rates, action="append", default=[],

@@ -43,27 +43,29 @@ def _stat(row: Mapping[str, Any], field: str, stat: str) -> float | None:
 
 
 def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Every ratio between the plugin and each other mode at the same model, workload, rate."""
+    """Every ratio between a plugin mode and each other mode at the same model, workload and
+    rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_mixed`)
+    the stock modes and `plugin`."""
     by_point: dict[tuple[str, str, float], dict[str, Mapping[str, Any]]] = {}
     for row in rows:
         if row.get("completed"):
             by_point.setdefault((row["model"], row["workload"], row["rate"]), {})[row["mode"]] = row
     out: dict[str, float] = {}
     for (model, workload, rate), modes in sorted(by_point.items()):
-        plugin = modes.get(PLUGIN)
-        if plugin is None:
-            continue
         where = f"{model}/{workload}/{rate_label(rate)}"
-        for other, row in sorted(modes.items()):
-            if other == PLUGIN:
+        for mine, plugin in sorted(modes.items()):
+            if not mine.startswith(PLUGIN):
                 continue
-            for metric, (field, stat) in RATIO_METRICS.items():
-                a, b = _stat(row, field, stat), _stat(plugin, field, stat)
+            for other, row in sorted(modes.items()):
+                if other == mine or (other.startswith(PLUGIN) and other != PLUGIN):
+                    continue
+                for metric, (field, stat) in RATIO_METRICS.items():
+                    a, b = _stat(row, field, stat), _stat(plugin, field, stat)
+                    if a is not None and b:
+                        out[f"{metric}_{other}_over_{mine}/{where}"] = round(a / b, 3)
+                a, b = plugin.get("output_tokens_per_s"), row.get("output_tokens_per_s")
                 if a is not None and b:
-                    out[f"{metric}_{other}_over_{PLUGIN}/{where}"] = round(a / b, 3)
-            a, b = plugin.get("output_tokens_per_s"), row.get("output_tokens_per_s")
-            if a is not None and b:
-                out[f"otps_{PLUGIN}_over_{other}/{where}"] = round(a / b, 3)
+                    out[f"otps_{mine}_over_{other}/{where}"] = round(a / b, 3)
     return out
 
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import json
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,7 @@ class ServeMode:
     args: tuple[str, ...] = ()  # server flags of this mode only
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ready_estimate_s: float = 100.0  # start to /health on the H200, for the time budget only
+    default: bool = True  # runs without --modes; False: only when named
 
 
 SERVE_MODES: dict[str, ServeMode] = {
@@ -46,8 +48,13 @@ SERVE_MODES: dict[str, ServeMode] = {
         ServeMode("stock_triton", "stock vLLM with --attention-backend TRITON_ATTN "
                   "(VLLM_PLUGINS=)", args=("--attention-backend", "TRITON_ATTN"),
                   env={"VLLM_PLUGINS": ""}),
+        ServeMode("plugin_mixed", "on request: `plugin` with mixed_graphs (steps with prefill "
+                  "tokens graphed too, experimental)",
+                  args=("--additional-config", json.dumps({"moe_graphs": {"mixed_graphs": True}})),
+                  ready_estimate_s=60.0, default=False),
     )
 }
+DEFAULT_MODES = [name for name, mode in SERVE_MODES.items() if mode.default]
 
 
 # Extra start-up of a server with UVA expert offload: loading the weights into pinned host

@@ -174,6 +174,21 @@ def test_ratio_keys_and_direction():
                                                 "otps_plugin_over_stock_triton"}
 
 
+def test_a_second_plugin_mode_gets_its_own_ratios():
+    rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0),
+            _row("plugin_mixed", 16, 25.0, 1.25, 3100.0)]
+    r = serve_report.compute_ratios(rows)
+    assert r["ttft_p50_stock_over_plugin_mixed/m/chat/r16"] == 2.0
+    assert r["tpot_p50_plugin_over_plugin_mixed/m/chat/r16"] == 1.6
+    assert r["ttft_p50_stock_over_plugin/m/chat/r16"] == 1.25
+    assert r["otps_plugin_mixed_over_plugin/m/chat/r16"] == pytest.approx(3100 / 3000, abs=1e-3)
+    # times: the other mode's over the plugin mode's; never plugin over itself or reversed
+    assert not [k for k in r if "_plugin_mixed_over_plugin/" in k and not k.startswith("otps")]
+    assert not [k for k in r if "_over_stock/" in k and not k.startswith("otps")]
+    assert "plugin_mixed" in serve.SERVE_MODES and "plugin_mixed" not in serve.DEFAULT_MODES
+    assert '"mixed_graphs": true' in " ".join(serve.SERVE_MODES["plugin_mixed"].args)
+
+
 def test_saturation_is_the_latency_knee():
     rows = [_row("stock", 4, 30, 2, 800), _row("stock", 16, 35, 3, 3100),
             _row("stock", 32, 60, 8.5, 4000), _row("stock", 64, 900, 20, 4100),
