@@ -36,7 +36,8 @@ def test_execution_is_what_the_forward_runs():
     assert execution(replay()) == (0, 8, 8, 2048, 5)      # padded to the bucket, graph by key
     assert execution(capture()) == (1, 8, 8, 2048, 5)
     assert execution(warmup()) == (2, 8, 0, 0, 5)         # eager, but padded to the bucket
-    assert execution(eager(Reason.KILL_SWITCH)) == (2, 5, 0, 0, 5)  # eager, real rows only
+    assert execution(eager(Reason.KILL_SWITCH)) == (2, 8, 0, 0, 5)  # eager, the key's shape
+    assert execution(eager(Reason.STORAGE_IDENTITY_CHANGED)) == (2, 5, 0, 0, 5)  # real rows
 
 
 def test_same_execution_keeps_each_ranks_own_decision():
@@ -52,9 +53,9 @@ def test_same_execution_keeps_each_ranks_own_decision():
     (replay(), eager(Reason.KILL_SWITCH)),    # kill file seen by one rank first
     (replay(), capture()),                    # one rank lost its graph (dropped, recapturing)
     (capture(), eager(Reason.CAPTURE_FAILED)),  # the key is quarantined on one rank only
-    (warmup(), eager(Reason.MEMORY_BUDGET)),  # padded warm-up vs unpadded fallback
+    (warmup(), eager(Reason.STORAGE_IDENTITY_CHANGED)),  # padded warm-up vs unpadded
     (replay(), replay(key=GraphKey(8, 8192))),  # another context bucket: another graph
-], ids=["kill-file", "replay-vs-capture", "quarantine", "warmup-vs-budget", "context-bucket"])
+], ids=["kill-file", "replay-vs-capture", "quarantine", "warmup-vs-storage", "context-bucket"])
 def test_any_difference_makes_every_rank_run_eager_unpadded(mine, other):
     gathered = [execution(mine), execution(other)]
     for local in (mine, other):

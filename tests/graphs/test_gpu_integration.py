@@ -52,10 +52,10 @@ def _needs_cuda_and_vllm():
     require_cuda_and_vllm()
 
 
-# Runs in a fresh interpreter: argv[1] is a JSON spec; the result goes to spec["out"].
+# Runs in a fresh interpreter: argv[1] is a JSON spec file; the result goes to spec["out"].
 _ENGINE = r"""
 import json, os, sys, time
-spec = json.loads(sys.argv[1])
+spec = json.load(open(sys.argv[1]))
 import torch
 
 if spec.get("fail_capture_bucket"):
@@ -151,6 +151,22 @@ def metadata_copies():
     return {"in_place_builders_reset": len(reset), "fast_input_steps_before": fast_steps}
 
 
+def staggered(prompts, step_params, every):
+    # One request arrives every `every` engine steps (a schedule in steps, not seconds, so
+    # every phase sees the same steps), the engine stepping in between: prefill chunks of
+    # new arrivals share steps with earlier requests' decode rows. Outputs in prompt order.
+    engine, done, step, sent = llm.llm_engine, {}, 0, 0
+    while sent < len(prompts) or engine.has_unfinished_requests():
+        if sent < len(prompts) and step % every == 0:
+            engine.add_request(str(sent), prompts[sent], step_params)
+            sent += 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.split("-")[0])] = out  # vLLM may suffix the id
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
 for phase in spec["phases"]:
     if phase.get("metadata_copies"):
         phase = {**phase, **metadata_copies()}
@@ -167,11 +183,17 @@ for phase in spec["phases"]:
     step_params = params if "temperature" not in phase else SamplingParams(
         max_tokens=spec["max_tokens"], temperature=phase["temperature"], ignore_eos=True,
         logprobs=1, detokenize=False)
-    for i in range(0, len(prompts), b):
-        for out in llm.generate(prompts[i:i + b], step_params, use_tqdm=False):
-            c = out.outputs[0]
-            tokens.append(list(c.token_ids))
-            top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
+    if phase.get("reset_prefix_cache"):
+        assert llm.reset_prefix_cache(), "prefix cache not reset"
+    if phase.get("arrive_every"):
+        outs = staggered(prompts, step_params, phase["arrive_every"])
+    else:
+        outs = [o for i in range(0, len(prompts), b)
+                for o in llm.generate(prompts[i:i + b], step_params, use_tqdm=False)]
+    for out in outs:
+        c = out.outputs[0]
+        tokens.append(list(c.token_ids))
+        top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
     kill(False)
     seconds = round(time.perf_counter() - t1, 2)
     print("ENGINE_PHASE", json.dumps({k: v for k, v in phase.items() if k != "tokens"}),
@@ -238,7 +260,9 @@ def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw
     # NOTE: streamed to the file (not captured): a run cut short by a time guard leaves its log,
     # with one ENGINE_PHASE line per finished phase, for benchmarks/gpu/tests.sh to collect.
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-c", _ENGINE, json.dumps(spec)], env=env,
+        spec_file = tmp_path / f"{name}.spec.json"  # a file: long prompts exceed argv's limit
+        spec_file.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(spec_file)], env=env,
                               stdout=f, stderr=subprocess.STDOUT, text=True,
                               timeout=ENGINE_TIMEOUT_S)
     text = log.read_text()
@@ -366,35 +390,61 @@ def test_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["sleep"]["captures_after_wake"] > 0, summary["sleep"]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
-def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
-    """mixed_graphs (experimental): steps with prefill tokens are captured and replayed too.
-    Prompts of 40-700 tokens sharing a prefix (prefix-cache hits), chunked by a 256-token step
-    budget so chunks of long prompts share steps with other requests' decode rows: graphs vs
-    the kill switch token-identical, and keys of steps with prefill tokens captured."""
-    model, vocab = _shape_dir(tmp_path, shape)
+def mixed_prompts(vocab: int) -> list[list[int]]:
+    """64 prompts: 56 of 64-1000 tokens, each behind one of four shared prefixes (prefix-cache
+    hits), and 8 of 4096-4500 tokens (chunked prefill over many steps), shuffled."""
     rng = random.Random(1)
-    prefix = [rng.randrange(10, vocab - 10) for _ in range(64)]
-    prompts = [prefix + [rng.randrange(10, vocab - 10) for _ in range(rng.randrange(40, 640))]
-               for _ in range(32)]
-    kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=1024,
+    tok = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]  # noqa: E731
+    prefixes = [tok(rng.randrange(48, 160)) for _ in range(4)]
+    prompts = [prefixes[i % 4] + tok(rng.randrange(16, 840)) for i in range(56)]
+    prompts += [tok(rng.randrange(4096, 4500)) for _ in range(8)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
+    """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
+    tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
+    phase from an empty prefix cache so both schedule the same steps."""
+    model, vocab = _shape_dir(tmp_path, shape)
+    kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=4864,
                          enable_prefix_caching=True, enable_chunked_prefill=True,
                          max_num_batched_tokens=256,
-                         additional_config={"moe_graphs": {"mixed_graphs": True}})
-    result = run_engine(tmp_path, f"mixed-{shape}", kwargs, prompts, parity_phases((8, 32)),
-                        max_tokens=64)
+                         additional_config={"moe_graphs": {"mixed_graphs": True, **plugin}})
+    phases = [{"batch": 64, "kill": k, "arrive_every": 4, "reset_prefix_cache": True}
+              for k in (False, True)]
+    result = run_engine(tmp_path, name, kwargs, mixed_prompts(vocab), phases, max_tokens=256)
     summary = check_parity(result)
     summary["graph_keys"] = result["graph_keys"]
     summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
-    last = result["phases"][-1]["metrics"]
-    summary["mixed_batch_fallbacks"] = metric(last, "moe_graphs_eager_fallbacks_total",
-                                              reason="mixed_batch")
-    summary["step_too_large_fallbacks"] = metric(last, "moe_graphs_eager_fallbacks_total",
-                                                 reason="step_too_large")
+    g, k = result["phases"]
+    summary["replays_by_kind"] = {
+        kind: metric(g["metrics"], "moe_graphs_replays_total", kind=kind)
+        for kind in ("decode", "mixed", "prefill")}
+    # the kill phase runs every step eager under the kill switch: its steps by kind
+    summary["steps_by_kind"] = {
+        kind: _delta(result["phases"], 1, "moe_graphs_eager_fallbacks_total", kind=kind)
+        for kind in ("decode", "mixed", "prefill")}
+    for reason in ("mixed_batch", "step_too_large", "cascade_attention"):
+        summary[f"{reason}_fallbacks"] = metric(g["metrics"], "moe_graphs_eager_fallbacks_total",
+                                                reason=reason)
+    return summary
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
+    """mixed_graphs (experimental): steps with prefill tokens are captured and replayed too.
+    64 prompts arrive one every 4 steps (`run_mixed`): most steps carry prefill tokens, long
+    prompts are chunked over many steps, shared prefixes hit the prefix cache. Graphs vs the
+    kill switch token-identical, and steps with prefill tokens replayed."""
+    summary = run_mixed(tmp_path, shape, f"mixed-{shape}", {})
     report(f"parity-mixed-{shape}", summary)
-    for row in summary["rows"]:
-        assert row["identical_sequences"] == row["sequences"], row
-        assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    steps = summary["steps_by_kind"]
+    assert steps["mixed"] + steps["prefill"] > steps["decode"], steps  # mostly mixed steps
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
     assert summary["mixed_keys"], summary["graph_keys"]
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 

@@ -25,22 +25,29 @@ def test_step_kind(tokens, reqs, max_q, lens, kind):
     assert step_kind(tokens, reqs, max_q, lens) is kind
 
 
-def test_plan_pads_only_on_graph_paths():
+def test_plan_pads_graph_paths_and_kept_shape_fallbacks():
     key, mixed = GraphKey(4, 16), GraphKey(64, 0, 8)
     cases = [
         (Decision(Action.REPLAY, key, Reason.ELIGIBLE, 3), (4, 4, True)),
         (Decision(Action.CAPTURE, key, Reason.ELIGIBLE, 3), (4, 4, True)),
         (Decision(Action.EAGER, key, Reason.ELIGIBLE, 3), (4, 4, True)),  # warm-up, padded
-        (Decision(Action.EAGER, key, Reason.MEMORY_BUDGET, 4), None),  # fallback: unpadded
+        # fallbacks of a graphable key keep its shape: they compute what its graph would
+        (Decision(Action.EAGER, key, Reason.MEMORY_BUDGET, 4), (4, 4, True)),
+        (Decision(Action.EAGER, key, Reason.KILL_SWITCH, 3), (4, 4, True)),
+        (Decision(Action.EAGER, None, Reason.KILL_SWITCH, 3), None),  # no key: unpadded
+        # storage and capability fallbacks: vLLM's own unpadded step
+        (Decision(Action.EAGER, key, Reason.STORAGE_IDENTITY_CHANGED, 3), None),
+        (Decision(Action.EAGER, key, Reason.NO_CUDA, 3), None),
         (Decision(Action.EAGER, None, Reason.MIXED_BATCH, 7), None),
         # a key with prefill tokens: its token and request buckets, not a uniform decode batch
         (Decision(Action.REPLAY, mixed, Reason.ELIGIBLE, 50), (64, 8, False)),
-        (Decision(Action.EAGER, mixed, Reason.CAPTURE_FAILED, 50), None),
+        (Decision(Action.EAGER, mixed, Reason.CAPTURE_FAILED, 50), (64, 8, False)),
     ]
     for decision, padding in cases:
         plan = StepPlan(StepKind.DECODE, decision, max_context=10)
         assert plan.padding == padding, decision
-        assert plan.graph_path is (padding is not None)
+        assert decision.padded is (padding is not None)
+        assert decision.batch_size == (padding[0] if padding else decision.num_reqs), decision
 
 
 def test_plan_is_frozen():

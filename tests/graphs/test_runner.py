@@ -113,8 +113,11 @@ def test_decision_table_per_batch_reasons(tmp_path):
     assert d == Decision(Action.EAGER, GraphKey(4, 16), Reason.ELIGIBLE, 3) and d.warming_up
     assert d.batch_size == 4
     kill.touch()
-    assert runner.decide(3, 10, True).reason is Reason.KILL_SWITCH
-    assert runner.decide(3, 10, True).batch_size == 3, "eager fallback runs the real rows only"
+    d = runner.decide(3, 10, True)
+    assert d == Decision(Action.EAGER, GraphKey(4, 16), Reason.KILL_SWITCH, 3)
+    assert d.batch_size == 4, "the kill switch keeps the key's shape: what its graph computes"
+    d = runner.decide(9, 10, True)  # no key: unpadded, still counted under the kill switch
+    assert d == Decision(Action.EAGER, None, Reason.KILL_SWITCH, 9) and d.batch_size == 9
 
 
 def test_warmup_capture_replay_sequence():

@@ -404,7 +404,7 @@ def test_decode_graph_paths_compute_the_logits_inside_the_forward():
     assert "compute_logits" not in vars(lm)
 
 
-def test_logits_stay_with_vllm_past_the_buffer_and_on_eager_fallbacks(tmp_path):
+def test_logits_stay_with_vllm_past_the_buffer_and_on_unpadded_fallbacks(tmp_path):
     from vllm_moe_graphs.integration.graph_logits import GraphLogits
     from vllm_moe_graphs.killswitch import KillSwitch
 
@@ -421,10 +421,14 @@ def test_logits_stay_with_vllm_past_the_buffer_and_on_eager_fallbacks(tmp_path):
     kill = tmp_path / "kill"
     kill.touch()
     r.moe_graphs.graphs._kill = KillSwitch(str(kill), interval_s=0)
-    with _in_step(r, 2, [1, 1]) as (mode, _, out):  # the kill switch: eager, vLLM's path
-        lm.compute_logits(out[slice(0, 2)])
+    with _in_step(r, 2, [1, 1]) as (mode, _, out):  # the kill switch: eager at the key's
+        lm.compute_logits(out[slice(0, 2)])          # shape, the LM head still in the forward
+    assert mode is mode_enum.FULL
+    assert lm.stock_calls == 1 and r.moe_graphs.logits.handed_over == 2
+    with _in_step(r, 2, [5, 1]) as (mode, _, out):  # a mixed batch: eager unpadded, vLLM's
+        lm.compute_logits(out[slice(0, 6)])          # LM head
     assert mode is mode_enum.NONE
-    assert lm.stock_calls == 2
+    assert lm.stock_calls == 2 and r.moe_graphs.logits.handed_over == 2
 
 
 def test_replayed_fast_steps_build_no_attention_metadata(monkeypatch, tmp_path):
@@ -560,7 +564,9 @@ def test_mixed_batch_runs_eager_unpadded_and_keeps_every_token():
     assert out.shape == (6, 1) and capture.captures == 0
 
 
-def test_kill_switch_runs_decode_eager_unpadded(tmp_path):
+def test_kill_switch_runs_decode_eager_at_the_keys_shape(tmp_path):
+    """Under the kill switch a step that has a key runs eager at the key's padded size: the
+    same kernels on the same rows as its graph, so flipping the switch changes no output."""
     from vllm_moe_graphs.killswitch import KillSwitch
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
@@ -569,7 +575,8 @@ def test_kill_switch_runs_decode_eager_unpadded(tmp_path):
     kill.touch()
     r.moe_graphs.graphs._kill = KillSwitch(str(kill), interval_s=0)
     mode, desc, out = _step(r, 3, [1, 1, 1])
-    assert mode is mode_enum.NONE and desc.num_tokens == 3 and out.shape == (3, 1)
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (4, 4)
+    assert out.shape == (3, 1) and out[:, 0].tolist() == [2.0, 4.0, 6.0]
     assert capture.replays == 1 and r.moe_graphs.graphs.keys  # graphs kept, none replayed
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_moe_graphs.graphs.kinds import StepKind
-from vllm_moe_graphs.graphs.runner import Action, Decision
+from vllm_moe_graphs.graphs.runner import Decision
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,17 +38,12 @@ class StepPlan:
     lean: bool = False
 
     @property
-    def graph_path(self) -> bool:
-        """The forward runs at the key's padded size: replay, capture or a warm-up step."""
-        d = self.decision
-        return d.key is not None and (d.action is not Action.EAGER or d.warming_up)
-
-    @property
     def padding(self) -> tuple[int, int, bool] | None:
-        """(tokens, requests, uniform decode) vLLM pads the step to on a graph path: the
-        decode key's rows, or the token and request buckets of a key with prefill tokens.
-        None: unpadded, vLLM's own sizes."""
-        if not self.graph_path:
+        """(tokens, requests, uniform decode) vLLM pads the step to when the decision is
+        `padded` (graph paths, warm-up, a graphable key's fallbacks): the decode key's rows, or
+        the token and request buckets of a key with prefill tokens. None: unpadded, vLLM's own
+        sizes."""
+        if not self.decision.padded:
             return None
         key = self.decision.key
         if key.decode:

@@ -71,12 +71,24 @@ class Decision:
         return self.action is Action.EAGER and self.reason is Reason.ELIGIBLE
 
     @property
+    def padded(self) -> bool:
+        """Whether the forward runs at the key's padded size: on graph paths and warm-up, and
+        in the fallbacks of a key that could be graphed (`PADDED_FALLBACKS`), so that such a
+        step computes exactly what its graph would (cuBLAS picks its GEMM kernel by the row
+        count: padded and unpadded rows can differ in the last bit)."""
+        return self.key is not None and (self.action is not Action.EAGER or self.warming_up
+                                         or self.reason in PADDED_FALLBACKS)
+
+    @property
     def batch_size(self) -> int:
-        """Rows the forward runs on: the padded bucket on graph paths and warm-up, else the
-        real rows (an eager fallback wastes no work on padding)."""
-        if self.key is not None and (self.action is not Action.EAGER or self.warming_up):
-            return self.key.batch_bucket
-        return self.num_reqs
+        """Rows the forward runs on: the key's bucket when `padded`, else the real rows."""
+        return self.key.batch_bucket if self.padded else self.num_reqs
+
+
+# Eager fallbacks that keep their key's padded shape: the kill switch stops replay, a
+# quarantined or over-budget key stops capture, none of them changes what the step computes.
+# Storage and capability fallbacks run vLLM's own unpadded step (nothing is vouched for).
+PADDED_FALLBACKS = frozenset({Reason.KILL_SWITCH, Reason.CAPTURE_FAILED, Reason.MEMORY_BUDGET})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +184,15 @@ class DecodeGraphRunner:
         self._check_open("decide")
         if not is_pure_decode and (requests is None or not self.config.mixed_graphs):
             return Decision(Action.EAGER, None, Reason.MIXED_BATCH, num_reqs)
-        if self._kill is not None and self._kill.active():
-            return Decision(Action.EAGER, None, Reason.KILL_SWITCH, num_reqs)
         if is_pure_decode:
             key = pick_key(num_reqs, max_context, self.config.decode_batch_buckets,
                            self.config.context_buckets)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
                                  self.config.decode_batch_buckets)
+        if self._kill is not None and self._kill.active():  # the key's shape, no graph
+            return Decision(Action.EAGER, None if isinstance(key, Reason) else key,
+                            Reason.KILL_SWITCH, num_reqs)
         if isinstance(key, Reason):
             return Decision(Action.EAGER, None, key, num_reqs)
         if self._no_graphs is not None:

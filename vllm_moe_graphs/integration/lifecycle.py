@@ -303,15 +303,15 @@ class GraphLifecycle:
             # Rows are query tokens: one per request in a decode step, all of them otherwise.
             d = self.graphs.decide(num_tokens, max_context, decode,
                                    requests=num_reqs if mixed else None)
-        graph_path = d.key is not None and (d.action is not Action.EAGER or d.warming_up)
-        # NOTE: the LM head joins the forward on every graph path (warm-up, capture, replay)
-        # of a key that has it, whatever prepared the inputs: a key's graph has it or not for
-        # the engine's life. vLLM's compute_logits takes the result only for the exact view.
+        # NOTE: the LM head joins the forward of every padded step (replay, capture, warm-up, a
+        # kept-shape fallback) of a key that has it, whatever prepared the inputs: a key's
+        # graph has it or not for the engine's life. vLLM's compute_logits takes the result
+        # only for the exact view.
         step.plan = StepPlan(
             kind, d, max_context, fast_inputs=step.fast_inputs,
-            with_logits=graph_path and self._logits_for(d.key),
+            with_logits=d.padded and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
-        if not graph_path:
+        if not d.padded:
             self._plan_attention(None, None)
         elif d.key.decode:
             self._plan_attention(d.key.context_bucket, None)
