@@ -57,8 +57,8 @@ class PluginConfig:
     # computes the logits after the forward.
     logits_in_graph: bool = True
     # Experimental: steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed
-    # from graphs keyed by (query-token bucket, request bucket) too; false: they run eager
-    # (`mixed_batch`).
+    # from graphs too, one per query-token bucket (requests padded to min(token bucket, the
+    # largest decode batch bucket)); false: they run eager (`mixed_batch`).
     mixed_graphs: bool = False
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).

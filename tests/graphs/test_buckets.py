@@ -74,15 +74,20 @@ def test_attention_plans_every_graph_context_bucket():
 
 
 def test_pick_mixed_key():
-    tokens, reqs = (16, 64, 256), (1, 2, 4, 8)
-    assert pick_mixed_key(6, 2, tokens, reqs) == GraphKey(16, 0, 2)
-    assert pick_mixed_key(64, 5, tokens, reqs) == GraphKey(64, 0, 8)
-    assert pick_mixed_key(257, 2, tokens, reqs) is Reason.STEP_TOO_LARGE
-    assert pick_mixed_key(200, 9, tokens, reqs) is Reason.BATCH_TOO_LARGE
-    key = pick_mixed_key(6, 2, tokens, reqs)
+    tokens = (16, 64, 256)
+    # one key per token bucket: requests padded to min(bucket, max_requests), whatever the mix
+    assert pick_mixed_key(6, 2, tokens, 8) == pick_mixed_key(16, 8, tokens, 8) \
+        == GraphKey(16, 0, 8)
+    assert pick_mixed_key(6, 2, tokens, 32) == pick_mixed_key(16, 16, tokens, 32) \
+        == GraphKey(16, 0, 16)  # never more requests than tokens
+    assert pick_mixed_key(64, 5, tokens, 8) == pick_mixed_key(40, 1, tokens, 8) \
+        == GraphKey(64, 0, 8)
+    assert pick_mixed_key(257, 2, tokens, 8) is Reason.STEP_TOO_LARGE
+    assert pick_mixed_key(200, 9, tokens, 8) is Reason.BATCH_TOO_LARGE
+    key = pick_mixed_key(6, 2, tokens, 8)
     assert not key.decode and GraphKey(16, 2048).decode and key != GraphKey(16, 0)
     with pytest.raises(ValueError, match="num_tokens >= num_reqs"):
-        pick_mixed_key(1, 2, tokens, reqs)
+        pick_mixed_key(1, 2, tokens, 8)
 
 
 def test_graph_config_fits_token_buckets_to_the_token_budget():

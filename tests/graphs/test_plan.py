@@ -39,7 +39,7 @@ def test_plan_pads_graph_paths_and_kept_shape_fallbacks():
         (Decision(Action.EAGER, key, Reason.STORAGE_IDENTITY_CHANGED, 3), None),
         (Decision(Action.EAGER, key, Reason.NO_CUDA, 3), None),
         (Decision(Action.EAGER, None, Reason.MIXED_BATCH, 7), None),
-        # a key with prefill tokens: its token and request buckets, not a uniform decode batch
+        # a key with prefill tokens: its token bucket and padded requests, not a uniform decode
         (Decision(Action.REPLAY, mixed, Reason.ELIGIBLE, 50), (64, 8, False)),
         (Decision(Action.EAGER, mixed, Reason.CAPTURE_FAILED, 50), (64, 8, False)),
     ]

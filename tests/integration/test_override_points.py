@@ -483,9 +483,9 @@ def _mixed_graphs_on(r, token_buckets=(8, 16)):
     r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, mixed_graphs=True)
 
 
-def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
-    """mixed_graphs: a step with prefill tokens pads to its (token bucket, request bucket) key
-    as a non-uniform FULL batch, warms up, is captured and replayed like a decode key, hands
+def test_mixed_steps_replay_from_token_buckets_with_mixed_graphs():
+    """mixed_graphs: a step with prefill tokens pads to its token bucket's key (requests padded
+    to min(bucket, largest decode bucket)) as a non-uniform FULL batch, warms up, is captured and replayed like a decode key, hands
     vLLM all its real tokens' rows, and plans the varlen kernel's tile from the key."""
     from vllm_moe_graphs.capability import Reason
     from vllm_moe_graphs.graphs.buckets import GraphKey
@@ -503,15 +503,18 @@ def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
     builder = Builder()
     r.moe_graphs.metadata_builders = [builder]
     for expected in ("warm-up", "capture", "replay"):
-        mode, desc, out = _step(r, 2, [5, 1])  # 6 query tokens of 2 requests: key (8, 0, 2)
+        mode, desc, out = _step(r, 2, [5, 1])  # 6 query tokens of 2 requests: key (8, 0, 8)
         assert mode is mode_enum.FULL, expected
-        assert (desc.num_tokens, desc.num_reqs, desc.uniform) == (8, 2, False), expected
+        assert (desc.num_tokens, desc.num_reqs, desc.uniform) == (8, 8, False), expected
         assert out[:, 0].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0], expected
     assert capture.captures == 1 and capture.replays == 2
-    assert r.moe_graphs.graphs.keys == (GraphKey(8, 0, 2),)
+    assert r.moe_graphs.graphs.keys == (GraphKey(8, 0, 8),)
     assert builder.planned == [(None, 8), (None, None)] * 3  # the key's tile, then cleared
-    mode, desc, out = _step(r, 1, [12])  # a prompt alone: its own key (16, 0, 1), warm-up
-    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (16, 1)
+    mode, desc, out = _step(r, 5, [3, 2, 1, 1, 1])  # another mix, same bucket: same graph
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (8, 8)
+    assert out[:, 0].tolist() == [2.0 * i for i in range(1, 9)] and capture.replays == 3
+    mode, desc, out = _step(r, 1, [12])  # a prompt alone: its own key (16, 0, 16), warm-up
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (16, 16)
     assert out.shape == (12, 1)
     # past the last token bucket: eager, unpadded, counted as step_too_large
     mode, desc, out = _step(r, 2, [10, 9])
@@ -519,7 +522,7 @@ def test_mixed_steps_replay_from_token_and_request_buckets_with_mixed_graphs():
     stats = r.moe_graphs.graphs.stats
     assert stats.fallbacks == {Reason.STEP_TOO_LARGE: 1}
     # counted under the step's kind (the metrics' `kind` label)
-    assert stats.replays_by_kind == {StepKind.MIXED: 2}  # the capture's replay and one more
+    assert stats.replays_by_kind == {StepKind.MIXED: 3}  # the capture's replay and two more
     assert stats.fallbacks_by_kind == {(Reason.STEP_TOO_LARGE, StepKind.PREFILL): 1}
     # decode steps keep their own keys next to the mixed ones
     mode, desc, out = _step(r, 3, [1, 1, 1])

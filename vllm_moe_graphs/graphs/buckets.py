@@ -2,9 +2,11 @@
 
 A pure-decode step's graph is keyed by `GraphKey(batch_bucket, context_bucket)`: the padded
 batch size it was captured for and the longest context its attention plan covers. A step that
-carries prefill tokens (`mixed_graphs`) is keyed by `GraphKey(token_bucket, 0,
-request_bucket)`: its padded query tokens and padded requests (the varlen attention kernel has
-no context-dependent plan). Pure functions over host ints; nothing here touches a tensor.
+carries prefill tokens (`mixed_graphs`) is keyed by its padded query tokens alone,
+`GraphKey(token_bucket, 0, request_bucket)` with `request_bucket` a function of the token
+bucket (`pick_mixed_key`): one graph serves every mix of requests within its tokens, and the
+varlen attention kernel has no context-dependent plan. Pure functions over host ints; nothing
+here touches a tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vllm_moe_graphs.config import PluginConfig
 class GraphKey:
     """Identity of one captured graph; hashable, ordered. `batch_bucket` is the rows the
     forward runs on: requests of a decode key, query tokens of a key with prefill tokens, whose
-    `request_bucket` (0 for decode keys) counts its padded requests."""
+    `request_bucket` (0 for decode keys) counts its padded requests (`pick_mixed_key`)."""
 
     batch_bucket: int
     context_bucket: int
@@ -57,19 +59,23 @@ def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
 
 
 def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
-                   request_buckets: Sequence[int]) -> GraphKey | Reason:
+                   max_requests: int) -> GraphKey | Reason:
     """The key a step with prefill tokens (`num_tokens` query tokens of `num_reqs` requests)
-    pads into; `Reason.STEP_TOO_LARGE` / `Reason.BATCH_TOO_LARGE` past the last bucket."""
+    pads into: its token bucket, with requests padded to min(token bucket, `max_requests`).
+    Every request has a query token, so that holds any step of the bucket: the key, and with
+    it the attention grid and vLLM's request-indexed buffers, is a function of the token
+    bucket alone (one graph per token bucket, not per token x request pair; a padded request
+    has no query token and its attention programs exit at once). `Reason.STEP_TOO_LARGE` past
+    the last token bucket, `Reason.BATCH_TOO_LARGE` past `max_requests`."""
     if num_reqs < 1 or num_tokens < num_reqs:
         raise ValueError(f"num_tokens={num_tokens!r}, num_reqs={num_reqs!r}: need "
                          "num_tokens >= num_reqs >= 1")
     tokens = pick_bucket(num_tokens, token_buckets)
     if tokens is None:
         return Reason.STEP_TOO_LARGE
-    reqs = pick_bucket(num_reqs, request_buckets)
-    if reqs is None:
+    if num_reqs > max_requests:
         return Reason.BATCH_TOO_LARGE
-    return GraphKey(tokens, 0, reqs)
+    return GraphKey(tokens, 0, min(tokens, max_requests))
 
 
 def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tuple[GraphKey, ...]:

@@ -41,7 +41,7 @@ class StepPlan:
     def padding(self) -> tuple[int, int, bool] | None:
         """(tokens, requests, uniform decode) vLLM pads the step to when the decision is
         `padded` (graph paths, warm-up, a graphable key's fallbacks): the decode key's rows, or
-        the token and request buckets of a key with prefill tokens. None: unpadded, vLLM's own
+        the token bucket and padded requests of a key with prefill tokens. None: unpadded, vLLM's own
         sizes."""
         if not self.decision.padded:
             return None

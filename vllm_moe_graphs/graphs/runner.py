@@ -189,7 +189,7 @@ class DecodeGraphRunner:
                            self.config.context_buckets)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
-                                 self.config.decode_batch_buckets)
+                                 self.config.decode_batch_buckets[-1])
         if self._kill is not None and self._kill.active():  # the key's shape, no graph
             return Decision(Action.EAGER, None if isinstance(key, Reason) else key,
                             Reason.KILL_SWITCH, num_reqs)

@@ -222,8 +222,9 @@ class GraphLifecycle:
                         list(config.context_buckets), c.warmup_steps, c.graph_memory_budget_mib)
             if c.mixed_graphs:
                 logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs, "
-                            "experimental): token buckets %s, request buckets %s",
-                            list(config.token_buckets), list(config.decode_batch_buckets))
+                            "experimental): token buckets %s, requests padded to "
+                            "min(token bucket, %d)", list(config.token_buckets),
+                            config.decode_batch_buckets[-1])
         if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
             why = unsupported(r)
             self.inputs = DecodeInputs(r) if why is None else None
