@@ -390,14 +390,16 @@ def test_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["sleep"]["captures_after_wake"] > 0, summary["sleep"]
 
 
-def mixed_prompts(vocab: int) -> list[list[int]]:
-    """64 prompts: 56 of 64-1000 tokens, each behind one of four shared prefixes (prefix-cache
-    hits), and 8 of 4096-4500 tokens (chunked prefill over many steps), shuffled."""
+def mixed_prompts(vocab: int, scale: float = 1.0) -> list[list[int]]:
+    """64 prompts: 56 of 64-1000 tokens, each behind one of four shared prefixes of 48-160
+    tokens (prefix-cache hits), and 8 of 4096-4500 tokens (chunked prefill over many steps),
+    shuffled; every length times `scale` (a model with a short context), a prefix at least one
+    16-token KV block long."""
     rng = random.Random(1)
     tok = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]  # noqa: E731
-    prefixes = [tok(rng.randrange(48, 160)) for _ in range(4)]
-    prompts = [prefixes[i % 4] + tok(rng.randrange(16, 840)) for i in range(56)]
-    prompts += [tok(rng.randrange(4096, 4500)) for _ in range(8)]
+    prefixes = [tok(max(16, int(rng.randrange(48, 160) * scale))) for _ in range(4)]
+    prompts = [prefixes[i % 4] + tok(int(rng.randrange(16, 840) * scale)) for i in range(56)]
+    prompts += [tok(int(rng.randrange(4096, 4500) * scale)) for _ in range(8)]
     rng.shuffle(prompts)
     return prompts
 
@@ -405,15 +407,27 @@ def mixed_prompts(vocab: int) -> list[list[int]]:
 def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
     """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
     tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
-    phase from an empty prefix cache so both schedule the same steps."""
-    model, vocab = _shape_dir(tmp_path, shape)
-    kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=4864,
-                         enable_prefix_caching=True, enable_chunked_prefill=True,
-                         max_num_batched_tokens=256,
-                         additional_config={"moe_graphs": {"mixed_graphs": True, **plugin}})
-    phases = [{"batch": 64, "kill": k, "arrive_every": 4, "reset_prefix_cache": True}
+    phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
+    tiny real checkpoint (512 positions): prompts scaled to 1/20 (the long ones ~220 tokens),
+    a 64-token step budget so they still chunk, one arrival every step (vLLM's scheduler on
+    the CPU build, same prompts: 270 of 525 steps carry prefill tokens)."""
+    cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
+           "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
+    if shape == "tiny":
+        from tests.tiny_models import build_checkpoint
+
+        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
+        vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
+        kwargs = _llm_kwargs(model, max_model_len=512, max_num_batched_tokens=64, **cfg)
+        prompts, redraw, every = mixed_prompts(vocab, scale=0.05), False, 1
+    else:
+        model, vocab = _shape_dir(tmp_path, shape)
+        kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=4864,
+                             max_num_batched_tokens=256, **cfg)
+        prompts, redraw, every = mixed_prompts(vocab), True, 4
+    phases = [{"batch": 64, "kill": k, "arrive_every": every, "reset_prefix_cache": True}
               for k in (False, True)]
-    result = run_engine(tmp_path, name, kwargs, mixed_prompts(vocab), phases, max_tokens=256)
+    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=256, redraw=redraw)
     summary = check_parity(result)
     summary["graph_keys"] = result["graph_keys"]
     summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
@@ -431,7 +445,7 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b", "tiny"])
 def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     """mixed_graphs (experimental): steps with prefill tokens are captured and replayed too.
     64 prompts arrive one every 4 steps (`run_mixed`): most steps carry prefill tokens, long
