@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
-#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in five lanes: ~7.5
+#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in six lanes: ~7.5
 #                                                          minutes on the H200, RUN_GUARD_S=540)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu"]).
@@ -38,9 +38,11 @@ if [ "${1:-}" = tier ]; then
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
     + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
     "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \
-    "$T::test_mixed_graphs_match_kill_switch_eager" \
     + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
-    "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity"
+    "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
+    + -m gpu "$T::test_mixed_graphs_match_kill_switch_eager" \
+    "$T::test_mixed_traffic_faults_keep_output_identical" \
+    "$T::test_mixed_traffic_faults_through_vllm_serve"
 fi
 lanes=() cur=""
 for a in "$@"; do

@@ -52,8 +52,36 @@ def _needs_cuda_and_vllm():
     require_cuda_and_vllm()
 
 
+# With MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE=1 in its environment, a process fails the first
+# capture of a key with prefill tokens: a host sync inside the region invalidates it, as
+# `fail_capture_bucket` does by row count. Run by the test engine below, and by every Python
+# process of a test server as its sitecustomize.
+_FAIL_FIRST_MIXED_CAPTURE = r"""
+import os
+
+if os.environ.get("MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE") == "1":
+    import torch
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+
+    _real_capture, _failed = DecodeGraphRunner._capture, []
+
+    def _failing_capture(self, key, forward):
+        if key.decode or _failed:
+            return _real_capture(self, key, forward)
+        _failed.append(key)
+
+        def syncing(batch):
+            y = forward(batch)
+            torch.cuda.synchronize()
+            return y
+
+        return _real_capture(self, key, syncing)
+
+    DecodeGraphRunner._capture = _failing_capture
+"""
+
 # Runs in a fresh interpreter: argv[1] is a JSON spec file; the result goes to spec["out"].
-_ENGINE = r"""
+_ENGINE = _FAIL_FIRST_MIXED_CAPTURE + r"""
 import json, os, sys, time
 spec = json.load(open(sys.argv[1]))
 import torch
@@ -151,12 +179,16 @@ def metadata_copies():
     return {"in_place_builders_reset": len(reset), "fast_input_steps_before": fast_steps}
 
 
-def staggered(prompts, step_params, every):
+def staggered(prompts, step_params, every, toggle_kill=0):
     # One request arrives every `every` engine steps (a schedule in steps, not seconds, so
     # every phase sees the same steps), the engine stepping in between: prefill chunks of
-    # new arrivals share steps with earlier requests' decode rows. Outputs in prompt order.
-    engine, done, step, sent = llm.llm_engine, {}, 0, 0
+    # new arrivals share steps with earlier requests' decode rows. `toggle_kill`: the kill
+    # file is created or removed every that many steps. Outputs in prompt order.
+    engine, done, step, sent, killed = llm.llm_engine, {}, 0, 0, False
     while sent < len(prompts) or engine.has_unfinished_requests():
+        if toggle_kill and step and step % toggle_kill == 0:
+            killed = not killed
+            kill(killed)
         if sent < len(prompts) and step % every == 0:
             engine.add_request(str(sent), prompts[sent], step_params)
             sent += 1
@@ -186,7 +218,8 @@ for phase in spec["phases"]:
     if phase.get("reset_prefix_cache"):
         assert llm.reset_prefix_cache(), "prefix cache not reset"
     if phase.get("arrive_every"):
-        outs = staggered(prompts, step_params, phase["arrive_every"])
+        outs = staggered(prompts, step_params, phase["arrive_every"],
+                         phase.get("toggle_kill_every", 0))
     else:
         outs = [o for i in range(0, len(prompts), b)
                 for o in llm.generate(prompts[i:i + b], step_params, use_tqdm=False)]
@@ -404,7 +437,8 @@ def mixed_prompts(vocab: int, scale: float = 1.0) -> list[list[int]]:
     return prompts
 
 
-def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
+def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict | None = None,
+              **spec_extra) -> dict:
     """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
     tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
     phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
@@ -427,11 +461,13 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
         prompts, redraw, every = mixed_prompts(vocab), True, 4
     phases = [{"batch": 64, "kill": k, "arrive_every": every, "reset_prefix_cache": True}
               for k in (False, True)]
-    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=256, redraw=redraw)
+    phases[0].update(graph_phase or {})
+    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=256, redraw=redraw,
+                        **spec_extra)
     summary = check_parity(result)
     summary["graph_keys"] = result["graph_keys"]
     summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
-    g, k = result["phases"]
+    g = result["phases"][0]
     summary["replays_by_kind"] = {
         kind: metric(g["metrics"], "moe_graphs_replays_total", kind=kind)
         for kind in ("decode", "mixed", "prefill")}
@@ -439,9 +475,11 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict) -> dict:
     summary["steps_by_kind"] = {
         kind: _delta(result["phases"], 1, "moe_graphs_eager_fallbacks_total", kind=kind)
         for kind in ("decode", "mixed", "prefill")}
-    for reason in ("mixed_batch", "step_too_large", "cascade_attention"):
+    for reason in ("mixed_batch", "step_too_large", "cascade_attention", "kill_switch",
+                   "capture_failed", "memory_budget"):
         summary[f"{reason}_fallbacks"] = metric(g["metrics"], "moe_graphs_eager_fallbacks_total",
                                                 reason=reason)
+    summary["capture_failures"] = metric(g["metrics"], "moe_graphs_capture_failures_total")
     return summary
 
 
@@ -461,6 +499,23 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
     assert summary["mixed_keys"], summary["graph_keys"]
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
+
+
+def test_mixed_traffic_faults_keep_output_identical(tmp_path):
+    """mixed_graphs under faults, in one engine, the `run_mixed` traffic: the first capture of
+    a key with prefill tokens is invalidated by a host sync inside the region (quarantined),
+    the 8 MiB pool budget runs out and denies later captures, and the kill file is created
+    and removed every 24 steps. Token-identical to the kill-switch phase all the same: a
+    fallback of a key runs at the key's shape, so no fault changes what a step computes."""
+    summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults",
+                        {"graph_memory_budget_mib": 8}, {"toggle_kill_every": 24},
+                        env_extra={"MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1"})
+    report("faults-mixed", summary)
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert summary["capture_failures"] == 1 and summary["capture_failed_fallbacks"] > 0, summary
+    assert summary["memory_budget_fallbacks"] > 0, summary
+    assert summary["kill_switch_fallbacks"] > 0 and row["replays"] > 0, summary
 
 
 def test_uva_expert_offload_graphs_match_kill_switch_eager(tmp_path):
@@ -658,3 +713,78 @@ def test_kill_file_under_load_through_vllm_serve(tmp_path):
     assert summary["mode_graphs"] == 1 and summary["replays_before_switch"] > 0, summary
     assert summary["kill_switch_fallbacks_mid"] > 0 and in_flight > 0, summary
     assert summary["replays"] > summary["replays_after_load"], summary  # switch off: replays
+
+
+def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
+    """mixed_graphs through `vllm serve` (the tiny checkpoint, a 128-token step budget so long
+    prompts chunk): 200 requests of 20-400 prompt tokens arriving over ~4 s; the first capture
+    of a key with prefill tokens fails (quarantined), a 1 MiB pool budget denies every capture
+    after the next one, and the kill file is created and removed twice under load. Zero failed
+    requests, each with all its tokens. (Token identity under faults is the in-process test's: a server's
+    batches depend on arrival timing, so two runs are not comparable token by token.)"""
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / "tiny-serve"), head_dim=64)
+    vocab = json.loads((tmp_path / "tiny-serve" / "config.json").read_text())["vocab_size"]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAIL_FIRST_MIXED_CAPTURE)
+    kill_file = tmp_path / "serve.kill"
+    log = str(tmp_path / "serve.log")
+    fallbacks = "moe_graphs_eager_fallbacks_total"
+    cfg = {"moe_graphs": {"mixed_graphs": True, "graph_memory_budget_mib": 1}}
+    rng = random.Random(2)
+    # the first prompt is prefilled in four 128-token chunks: the first capture of a key with
+    # prefill tokens (the one that fails) comes before any decode key's and the budget
+    lengths = [400] + [rng.randrange(20, 400) for _ in range(199)]
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lengths]
+    env = {"MOE_GRAPHS_KILL_FILE": str(kill_file), "MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1",
+           "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = ("--max-num-seqs", "64", "--max-model-len", "512", "--max-num-batched-tokens",
+            "128", "--enable-chunked-prefill", "--enable-prefix-caching",
+            "--additional-config", json.dumps(cfg), *serve_memory_args(0.5))
+    with vllm_serve(path, None, log, args=args, env_extra=env) as base:
+        def one(i: int) -> int:
+            time.sleep(i * 0.02)  # arrivals spread over ~4 s
+            body = {"model": path, "prompt": prompts[i], "max_tokens": 512 - len(prompts[i]) - 8,
+                    "temperature": 0.0, "ignore_eos": True}
+            usage = post_json(base + "/v1/completions", body, timeout=300)["usage"]
+            return usage["completion_tokens"] == body["max_tokens"]
+
+        def poll(what: str, ok: Callable[[str], bool], limit_s: float = 60.0) -> str:
+            end = time.monotonic() + limit_s
+            while not ok(text := get(base + "/metrics")):
+                assert time.monotonic() < end, f"no {what} within {limit_s:.0f} s"
+                time.sleep(0.05)
+            return text
+
+        flips = []
+        with concurrent.futures.ThreadPoolExecutor(200) as pool:
+            futures = [pool.submit(one, i) for i in range(200)]
+            for n in (1, 2):  # kill file on, seen, off, then replays again: twice
+                poll("replay under load", lambda t: metric(t, "moe_graphs_replays_total") > 0)
+                kill_file.touch()
+                poll("kill-switch fallback",
+                     lambda t, n=n: metric(t, fallbacks, reason="kill_switch") >= n)
+                flips.append(sum(not f.done() for f in futures))
+                kill_file.unlink()
+                time.sleep(0.5)
+            failures = [repr(f.exception()) for f in futures if f.exception() is not None]
+            complete = sum(bool(f.result()) for f in futures if f.exception() is None)
+        text = get(base + "/metrics")
+    summary = {"failures": failures[:5], "failed": len(failures), "complete": complete,
+               "in_flight_at_flips": flips,
+               "capture_failures": metric(text, "moe_graphs_capture_failures_total"),
+               "captures": metric(text, "moe_graphs_captures_total"),
+               **{f"replays_{k}": metric(text, "moe_graphs_replays_total", kind=k)
+                  for k in ("decode", "mixed", "prefill")},
+               **{f"{r}_fallbacks": metric(text, fallbacks, reason=r)
+                  for r in ("kill_switch", "capture_failed", "memory_budget", "mixed_batch")},
+               "mode_graphs": metric(text, "moe_graphs_info", mode="graphs"),
+               "log_tail": tail(log, 15)}
+    report("serve-mixed-faults", summary)
+    assert summary["failed"] == 0 and complete == 200, summary
+    assert summary["mode_graphs"] == 1 and min(flips) > 0, summary
+    assert summary["capture_failures"] == 1 and summary["capture_failed_fallbacks"] > 0, summary
+    assert summary["memory_budget_fallbacks"] > 0 and summary["kill_switch_fallbacks"] > 0, summary
+    assert summary["mixed_batch_fallbacks"] == 0, summary  # every step with prefill planned
