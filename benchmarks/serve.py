@@ -298,6 +298,11 @@ def _progress(r: dict[str, Any]) -> str:
             f"{r['steps']['engine_steps']} steps")
     if share is not None:
         text += f", replayed {share:.0%} eager {r['steps']['eager']}"
+        if r["steps"].get("padding_share"):
+            text += f", padding {r['steps']['padding_share']}"
+        if r["steps"].get("captures"):
+            text += (f", {r['steps']['captures']} captures "
+                     f"({r['steps'].get('capture_s_by_kind', {})} s)")
     if r["client_lagging"]:
         text += " -- CLIENT LAGGING: raise --clients"
     return text

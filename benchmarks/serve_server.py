@@ -208,8 +208,10 @@ def _group_has_others(pgid: int) -> bool:
 
 def step_counters(metrics_text: str) -> dict[str, float]:
     """Flat counters from a /metrics text: `replays`, `replays:<step kind>`, `captures`,
-    `fallback:<reason>` (the plugin's, summed over ranks), and vLLM's `engine_steps` (the
-    iteration-tokens histogram's count) and `preemptions`."""
+    `captures:<kind>`, `capture_s:<kind>` (seconds), `rows:<kind>:<real|padding>` (rows of
+    steps run at a key's padded size), `pool_bytes:<kind>` (a gauge), `fallback:<reason>` (the
+    plugin's, summed over ranks), and vLLM's `engine_steps` (the iteration-tokens histogram's
+    count) and `preemptions`."""
     out: dict[str, float] = {}
 
     def add(key: str, value: float) -> None:
@@ -223,6 +225,14 @@ def step_counters(metrics_text: str) -> dict[str, float]:
                     add("replays:" + s.labels["kind"], s.value)
             elif s.name == "moe_graphs_captures_total":
                 add("captures", s.value)
+                if "kind" in s.labels:
+                    add("captures:" + s.labels["kind"], s.value)
+            elif s.name == "moe_graphs_capture_seconds_sum" and "kind" in s.labels:
+                add("capture_s:" + s.labels["kind"], s.value)
+            elif s.name == "moe_graphs_graph_rows_total":
+                add(f"rows:{s.labels.get('kind', '?')}:{s.labels.get('row', '?')}", s.value)
+            elif s.name == "moe_graphs_pool_bytes" and "kind" in s.labels:
+                add("pool_bytes:" + s.labels["kind"], s.value)
             elif s.name == "moe_graphs_eager_fallbacks_total":
                 add("fallback:" + s.labels.get("reason", "?"), s.value)
             elif s.name == "vllm:iteration_tokens_total_count":
@@ -235,7 +245,9 @@ def step_counters(metrics_text: str) -> dict[str, float]:
 def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:
     """What a window's engine steps did: counter differences, and for the plugin the share of
     its counted steps replayed from a graph and run eager by reason (warm-up steps before a
-    lazy capture are not counted by the plugin)."""
+    lazy capture are not counted by the plugin), its captures and their seconds by step kind,
+    the padding's share of the rows its padded steps ran by kind (the bucket ladder's waste),
+    and the graph pool's bytes by kind at the window's end."""
     diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
     out: dict[str, Any] = {
         "engine_steps": int(diff.get("engine_steps", 0)),
@@ -247,11 +259,23 @@ def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict
                  if k.startswith("fallback:") and v > 0}
     replays = int(diff.get("replays", 0))
     counted = replays + sum(fallbacks.values())
+    def by_kind(prefix: str, source: Mapping[str, float]) -> dict[str, float]:
+        return {k.split(":", 1)[1]: v for k, v in sorted(source.items())
+                if k.startswith(prefix + ":") and v > 0}
+
+    padding_share = {}
+    for kind_row in by_kind("rows", diff):
+        kind = kind_row.rsplit(":", 1)[0]
+        padding = diff.get(f"rows:{kind}:padding", 0.0)
+        padding_share[kind] = round(padding / (padding + diff.get(f"rows:{kind}:real", 0.0)), 4)
     out.update(
         replays=replays,
-        replays_by_kind={k.split(":", 1)[1]: int(v) for k, v in sorted(diff.items())
-                         if k.startswith("replays:") and v > 0},
+        replays_by_kind={k: int(v) for k, v in by_kind("replays", diff).items()},
         captures=int(diff.get("captures", 0)),
+        captures_by_kind={k: int(v) for k, v in by_kind("captures", diff).items()},
+        capture_s_by_kind={k: round(v, 3) for k, v in by_kind("capture_s", diff).items()},
+        padding_share=padding_share,
+        pool_mib_by_kind={k: round(v / 2**20, 1) for k, v in by_kind("pool_bytes", after).items()},
         eager=fallbacks,
         replayed_share=round(replays / counted, 4) if counted else None,
         eager_share={k: round(v / counted, 4) for k, v in fallbacks.items()} if counted else {},

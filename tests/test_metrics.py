@@ -65,19 +65,29 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     from vllm_moe_graphs.graphs.stats import GraphStats
 
     rec = MetricsRecorder(rank=0, directory=str(tmp_path))
-    stats = GraphStats(captures=1, capture_seconds=[0.5], pool_bytes=2048, scratch_bytes=64)
+    stats = GraphStats(scratch_bytes=64)
+    stats.capture(StepKind.DECODE, 0.5, 2048)
+    stats.capture(StepKind.MIXED, 0.25, 4096)
     for _ in range(3):
         stats.replay()
     stats.fallback(Reason.MIXED_BATCH, StepKind.MIXED)
+    stats.padded_step(StepKind.MIXED, 200, 56)
+    stats.padded_step(StepKind.DECODE, 3, 1)
     rec.publish(stats)
     assert stats.capture_seconds == [], "observations are handed over once"
+    text = _scrape(str(tmp_path))
+    assert _value(text, "moe_graphs_pool_bytes", kind="decode") == 2048
+    assert _value(text, "moe_graphs_pool_bytes", kind="mixed") == 4096
+    assert _value(text, "moe_graphs_captures_total", kind="mixed") == 1
+    assert _value(text, "moe_graphs_capture_seconds_sum", kind="mixed") == 0.25
     rec.publish(stats)  # nothing changed: nothing added
     stats.replay()
     stats.replay(StepKind.PREFILL)
     stats.fallback(Reason.MIXED_BATCH, StepKind.PREFILL)
     stats.fallback(Reason.KILL_SWITCH)
-    stats.capture_failures += 1
-    stats.pool_bytes = 0
+    stats.capture_failure(StepKind.PREFILL)
+    stats.padded_step(StepKind.MIXED, 100, 28)
+    stats.pool_dropped()
     rec.publish(stats)
     # a second runner in the process: its counters add from zero, its gauges replace
     other = GraphStats(scratch_bytes=32)
@@ -91,11 +101,15 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     assert _value(text, fallbacks, reason="mixed_batch", kind="mixed", rank="0") == 1
     assert _value(text, fallbacks, reason="mixed_batch", kind="prefill", rank="0") == 1
     assert _value(text, fallbacks, reason="kill_switch", kind="decode", rank="0") == 1
-    assert _value(text, "moe_graphs_captures_total", rank="0") == 1
-    assert _value(text, "moe_graphs_capture_failures_total", rank="0") == 1
-    assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 1
+    assert _value(text, "moe_graphs_captures_total", rank="0") == 2
+    assert _value(text, "moe_graphs_capture_failures_total", kind="prefill", rank="0") == 1
+    assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 2
     assert _value(text, "moe_graphs_pool_bytes", rank="0") == 0
     assert _value(text, "moe_graphs_scratch_bytes", rank="0") == 32
+    rows = "moe_graphs_graph_rows_total"
+    assert _value(text, rows, kind="mixed", row="real") == 300
+    assert _value(text, rows, kind="mixed", row="padding") == 84
+    assert _value(text, rows, kind="decode", row="padding") == 1
 
 
 def test_recorded_values_reach_the_files(tmp_path):

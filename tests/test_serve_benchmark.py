@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from benchmarks import serve, serve_report
 from benchmarks.load import (
@@ -107,6 +107,14 @@ def _exposition(replays, fallbacks, steps, plugin=True, mixed_replays=None):
         r = Counter("moe_graphs_replays", "r", ["kind", "rank"], registry=reg)
         r.labels("decode", "0").inc(replays - mixed_replays)
         r.labels("mixed", "0").inc(mixed_replays)
+        rows = Counter("moe_graphs_graph_rows", "g", ["kind", "row", "rank"], registry=reg)
+        rows.labels("mixed", "real", "0").inc(300 * mixed_replays)
+        rows.labels("mixed", "padding", "0").inc(100 * mixed_replays)
+        rows.labels("decode", "real", "0").inc(replays - mixed_replays)
+        seconds = Histogram("moe_graphs_capture_seconds", "s", ["kind", "rank"], registry=reg)
+        seconds.labels("mixed", "0").observe(0.125 * mixed_replays)
+        Gauge("moe_graphs_pool_bytes", "p", ["kind", "rank"], registry=reg).labels(
+            "mixed", "0").set(2**20 * mixed_replays)
     elif plugin:
         Counter("moe_graphs_replays", "r", ["rank"], registry=reg).labels("0").inc(replays)
     if plugin:
@@ -133,6 +141,9 @@ def test_step_shares_from_real_exposition():
     by_kind = step_shares(step_counters(_exposition(10, {}, 15, mixed_replays=2)),
                           step_counters(_exposition(40, {}, 55, mixed_replays=12)))
     assert by_kind["replays"] == 30 and by_kind["replays_by_kind"] == {"decode": 20, "mixed": 10}
+    assert by_kind["padding_share"] == {"decode": 0.0, "mixed": 0.25}
+    assert by_kind["capture_s_by_kind"] == {"mixed": 1.25}
+    assert by_kind["pool_mib_by_kind"] == {"mixed": 12.0}  # the gauge at the window's end
 
 
 def test_log_facts_reads_what_vllm_logs():

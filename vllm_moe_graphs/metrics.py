@@ -45,12 +45,16 @@ METRICS: dict[str, str] = {
     "(reason=eligible when decode graphs may replay), 0 otherwise",
     "moe_graphs_replays_total": "engine steps replayed from a CUDA graph, by step kind",
     "moe_graphs_eager_fallbacks_total": "engine steps run eager, by reason and step kind",
-    "moe_graphs_captures_total": "CUDA graphs captured",
-    "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined)",
-    "moe_graphs_capture_seconds": "time to capture one CUDA graph",
+    "moe_graphs_captures_total": "CUDA graphs captured, by the kind of the step that captured",
+    "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined), by "
+    "step kind",
+    "moe_graphs_capture_seconds": "time to capture one CUDA graph, by step kind",
     "moe_graphs_invalidations_total": "times every captured graph was dropped (KV storage "
     "identity change, unbind, reload), by reason",
-    "moe_graphs_pool_bytes": "bytes held by the shared CUDA graph memory pool",
+    "moe_graphs_pool_bytes": "bytes held by the shared CUDA graph memory pool, by the step kind "
+    "whose captures grew it",
+    "moe_graphs_graph_rows_total": "rows (decode: requests; other kinds: query tokens) of steps "
+    "run at a graph key's padded size, by step kind and row (real or padding)",
     "moe_graphs_scratch_bytes": "bytes of static input/output and scratch buffers used by graphs",
 }
 
@@ -121,20 +125,28 @@ class MetricsRecorder:
                                 ["reason", "kind", "rank"], registry=None)
             self._fallbacks = {(x, k): fallbacks.labels(x.value, k.value, r)
                                for x in Reason for k in StepKind}
-            self._captures = Counter("moe_graphs_captures", METRICS["moe_graphs_captures_total"],
-                                     ["rank"], registry=None).labels(r)
-            self._capture_failures = Counter(
+            captures = Counter("moe_graphs_captures", METRICS["moe_graphs_captures_total"],
+                               ["kind", "rank"], registry=None)
+            self._captures = {k: captures.labels(k.value, r) for k in StepKind}
+            failures = Counter(
                 "moe_graphs_capture_failures", METRICS["moe_graphs_capture_failures_total"],
-                ["rank"], registry=None).labels(r)
-            self._capture_seconds = Histogram(
-                "moe_graphs_capture_seconds", METRICS["moe_graphs_capture_seconds"], ["rank"],
-                registry=None, buckets=_CAPTURE_BUCKETS).labels(r)
+                ["kind", "rank"], registry=None)
+            self._capture_failures = {k: failures.labels(k.value, r) for k in StepKind}
+            seconds = Histogram(
+                "moe_graphs_capture_seconds", METRICS["moe_graphs_capture_seconds"],
+                ["kind", "rank"], registry=None, buckets=_CAPTURE_BUCKETS)
+            self._capture_seconds = {k: seconds.labels(k.value, r) for k in StepKind}
+            rows = Counter("moe_graphs_graph_rows", METRICS["moe_graphs_graph_rows_total"],
+                           ["kind", "row", "rank"], registry=None)
+            self._rows = {(k, row): rows.labels(k.value, row, r) for k in StepKind
+                          for row in ("real", "padding")}
             invalidations = Counter("moe_graphs_invalidations",
                                     METRICS["moe_graphs_invalidations_total"], ["reason", "rank"],
                                     registry=None)
             self._invalidations = {x: invalidations.labels(x.value, r) for x in Reason}
-            self._pool_bytes = Gauge("moe_graphs_pool_bytes", METRICS["moe_graphs_pool_bytes"],
-                                     ["rank"], registry=None, multiprocess_mode="max").labels(r)
+            pool = Gauge("moe_graphs_pool_bytes", METRICS["moe_graphs_pool_bytes"],
+                         ["kind", "rank"], registry=None, multiprocess_mode="max")
+            self._pool_bytes = {k: pool.labels(k.value, r) for k in StepKind}
             self._scratch_bytes = Gauge(
                 "moe_graphs_scratch_bytes", METRICS["moe_graphs_scratch_bytes"], ["rank"],
                 registry=None, multiprocess_mode="max").labels(r)
@@ -158,9 +170,9 @@ class MetricsRecorder:
             raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
         self._fallbacks[reason, StepKind(kind)].inc(n)
 
-    def capture(self, seconds: float) -> None:
-        self._captures.inc()
-        self._capture_seconds.observe(seconds)
+    def capture(self, seconds: float, kind: StepKind = StepKind.DECODE) -> None:
+        self._captures[StepKind(kind)].inc()
+        self._capture_seconds[StepKind(kind)].observe(seconds)
 
     def record_invalidation(self, reason: Reason) -> None:
         """`kv.storage.InvalidationSink`: the KV storage calls this once per invalidation."""
@@ -168,11 +180,14 @@ class MetricsRecorder:
             raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
         self._invalidations[reason].inc()
 
-    def capture_failure(self) -> None:
-        self._capture_failures.inc()
+    def capture_failure(self, kind: StepKind = StepKind.DECODE) -> None:
+        self._capture_failures[StepKind(kind)].inc()
 
-    def set_memory(self, pool_bytes: int, scratch_bytes: int) -> None:
-        self._pool_bytes.set(pool_bytes)
+    def set_memory(self, pool_bytes: int | dict[StepKind, int], scratch_bytes: int) -> None:
+        """The pool's bytes (by step kind; a plain int counts as decode) and the scratch."""
+        by_kind = pool_bytes if isinstance(pool_bytes, dict) else {StepKind.DECODE: pool_bytes}
+        for kind, child in self._pool_bytes.items():
+            child.set(by_kind.get(kind, 0))
         self._scratch_bytes.set(scratch_bytes)
 
     def publish(self, stats: GraphStats) -> None:
@@ -181,29 +196,37 @@ class MetricsRecorder:
         A new `stats` object (a new runner) starts from zero."""
         last = self._published.get(id(stats))
         if last is None or last[0] is not stats:
-            last = self._published[id(stats)] = [stats, {}, {}, 0, 0, None]
-        _, replays, fallbacks, captures, failures, memory = last
-        if stats.replays_by_kind != replays:
-            for kind, n in stats.replays_by_kind.items():
-                if n != replays.get(kind, 0):
-                    self.replay(n - replays.get(kind, 0), kind)
-            last[1] = dict(stats.replays_by_kind)
-        if stats.fallbacks_by_kind != fallbacks:
-            for (reason, kind), n in stats.fallbacks_by_kind.items():
-                if n != fallbacks.get((reason, kind), 0):
-                    self.fallback(reason, n - fallbacks.get((reason, kind), 0), kind)
-            last[2] = dict(stats.fallbacks_by_kind)
-        if stats.captures != captures:
-            self._captures.inc(stats.captures - captures)
-            last[3] = stats.captures
+            last = self._published[id(stats)] = [stats, {}, None]
+        _, counts, memory = last
+        rows = {k: self._rows[k, "real"] for k in StepKind}
+        padding = {k: self._rows[k, "padding"] for k in StepKind}
+        for name, children in (("replays_by_kind", self._replays),
+                               ("captures_by_kind", self._captures),
+                               ("capture_failures_by_kind", self._capture_failures),
+                               ("real_rows_by_kind", rows), ("padding_rows_by_kind", padding)):
+            _publish_deltas(getattr(stats, name), counts.setdefault(name, {}),
+                            lambda kind, n, c=children: c[kind].inc(n))
+        _publish_deltas(stats.fallbacks_by_kind, counts.setdefault("fallbacks", {}),
+                        lambda key, n: self.fallback(key[0], n, key[1]))
         while stats.capture_seconds:
-            self._capture_seconds.observe(stats.capture_seconds.pop(0))
-        if stats.capture_failures != failures:
-            self._capture_failures.inc(stats.capture_failures - failures)
-            last[4] = stats.capture_failures
-        if (stats.pool_bytes, stats.scratch_bytes) != memory:
-            self.set_memory(stats.pool_bytes, stats.scratch_bytes)
-            last[5] = (stats.pool_bytes, stats.scratch_bytes)
+            kind, seconds = stats.capture_seconds.pop(0)
+            self._capture_seconds[kind].observe(seconds)
+        now = (tuple(sorted(stats.pool_bytes_by_kind.items())), stats.scratch_bytes)
+        if now != memory:
+            self.set_memory(dict(stats.pool_bytes_by_kind), stats.scratch_bytes)
+            last[2] = now
+
+
+
+def _publish_deltas(now: dict, published: dict, inc) -> None:
+    """`inc(key, n)` for what each counter of `now` gained since `published`, then remember."""
+    if now == published:
+        return
+    for key, n in now.items():
+        if n != published.get(key, 0):
+            inc(key, n - published.get(key, 0))
+    published.clear()
+    published.update(now)
 
 
 _recorder_by_pid: dict[int, MetricsRecorder] = {}

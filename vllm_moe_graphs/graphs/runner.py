@@ -233,7 +233,7 @@ class DecodeGraphRunner:
         if d.action is Action.REPLAY:
             out = self._replay(self._graphs[d.key].graph)
         elif d.action is Action.CAPTURE:
-            graph = self._capture(d.key, fwd)
+            graph = self._capture(d.key, fwd, kind)
             if graph is None:  # quarantined (policy QUARANTINE): this step runs eager
                 d = Decision(Action.EAGER, d.key, Reason.CAPTURE_FAILED, num_reqs)
                 out = fwd(num_reqs)
@@ -248,6 +248,8 @@ class DecodeGraphRunner:
             self.stats.replay(kind)
         elif not d.warming_up:
             self.stats.fallback(d.reason, kind)
+        if d.padded:
+            self.stats.padded_step(kind, num_reqs, d.batch_size - num_reqs)
         return out[:num_reqs], d  # [num_reqs, ...]: padding rows never leave the runner
 
     def precapture(self, keys: Iterable[GraphKey] | None = None,
@@ -329,8 +331,10 @@ class DecodeGraphRunner:
         graph.replay()
         return graph.output
 
-    def _capture(self, key: GraphKey, forward: Forward) -> CapturedGraph | None:
-        """Capture `key`; None when it failed and was quarantined (policy QUARANTINE)."""
+    def _capture(self, key: GraphKey, forward: Forward,
+                 kind: StepKind = StepKind.DECODE) -> CapturedGraph | None:
+        """Capture `key` (for a step of `kind`, the label its capture is counted under); None
+        when it failed and was quarantined (policy QUARANTINE)."""
         assert key not in self._graphs, f"{key} is already captured"
         if self._pool is None:
             self._pool = self._new_pool()
@@ -346,7 +350,7 @@ class DecodeGraphRunner:
                 # the failed capture's hold on the pool is gone and no graph holds it: the next
                 # capture starts a new pool (an emptied private pool cannot be reused)
                 self._pool = None
-            self.stats.capture_failures += 1
+            self.stats.capture_failure(kind)
             if self.config.capture_failure_policy is CaptureFailurePolicy.RAISE:
                 raise RuntimeError(
                     f"decode graph capture failed for {key} ({type(exc).__name__}: {exc}); "
@@ -359,13 +363,11 @@ class DecodeGraphRunner:
         seconds = time.perf_counter() - start
         self._graphs[key] = _Graph(graph, generation)
         self._pool_bytes += graph.pool_bytes
-        self.stats.pool_bytes = self._pool_bytes
+        self.stats.capture(kind, seconds, graph.pool_bytes)
         if self._pool_bytes >= self._budget_bytes:
             logger.warning("moe_graphs: graph pool at %.1f MiB reached the budget of %d MiB; "
                            "further captures are denied (%s)", self._pool_bytes / _MIB,
                            self.config.graph_memory_budget_mib, REMEDY[Reason.MEMORY_BUDGET])
-        self.stats.captures += 1
-        self.stats.capture_seconds.append(seconds)
         return graph
 
     def _drop(self) -> None:
@@ -374,4 +376,5 @@ class DecodeGraphRunner:
             entry.graph.release()
         self._warm.clear()
         self._pool = None
-        self._pool_bytes = self.stats.pool_bytes = 0
+        self._pool_bytes = 0
+        self.stats.pool_dropped()
