@@ -27,3 +27,34 @@ def test_without_cuda_exits_2_naming_the_gpu(tmp_path):
 def test_flash_attn_baseline_absence_has_a_reason():
     reason = attn_kernels.flash_attn_problem()
     assert isinstance(reason, str) and reason
+
+
+# -- the prefill-attention benchmark (benchmarks/prefill_kernels.py) ---------------------------
+def test_prefill_benchmark_without_cuda_exits_2(tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_kernels", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+    assert not out.exists()
+
+
+def test_prefill_cases_parse_into_steps():
+    from benchmarks.prefill_kernels import parse_case, token_bucket
+
+    assert parse_case("prefill:512").requests == ((512, 0),)
+    assert parse_case("chunk:2048@4096").requests == ((2048, 4096),)
+    mixed = parse_case("mixed:3@1024+100")
+    assert mixed.requests == ((1, 1023),) * 3 + ((100, 0),)
+    assert (mixed.tokens, mixed.max_query_len, mixed.max_seq_len) == (103, 100, 1024)
+    assert [token_bucket(n) for n in (1, 16, 17, 103, 4096, 5000)] == [16, 16, 32, 128, 4096,
+                                                                       8192]
+    # causal FLOPs: one 2-token prompt sees 1 + 2 keys; 4 * keys * heads * head size
+    assert parse_case("prefill:2").flops(1, 1) == 12.0
+
+
+@pytest.mark.parametrize("spec", ["prefill:", "chunk:5", "mixed:3+100", "decode:4", "prefill:0"])
+def test_bad_prefill_case_names_the_value_and_the_forms(spec, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_kernels", "--out",
+                           str(tmp_path / "x.json"), "--cases", spec],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and repr(spec) in proc.stderr and "mixed:D@C+L" in proc.stderr
