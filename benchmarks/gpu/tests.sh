@@ -42,6 +42,7 @@ if [ "${1:-}" = tier ]; then
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
     + -m gpu "$T::test_mixed_graphs_match_kill_switch_eager" \
     "$T::test_mixed_traffic_faults_keep_output_identical" \
+    "$T::test_mixed_precapture_serves_mixed_traffic_without_capture" \
     "$T::test_mixed_traffic_faults_through_vllm_serve"
 fi
 lanes=() cur=""

@@ -480,6 +480,7 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
         summary[f"{reason}_fallbacks"] = metric(g["metrics"], "moe_graphs_eager_fallbacks_total",
                                                 reason=reason)
     summary["capture_failures"] = metric(g["metrics"], "moe_graphs_capture_failures_total")
+    summary["startup_captures"] = metric(result["startup_metrics"], "moe_graphs_captures_total")
     return summary
 
 
@@ -499,6 +500,20 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
     assert summary["mixed_keys"], summary["graph_keys"]
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
+
+
+def test_mixed_precapture_serves_mixed_traffic_without_capture(tmp_path):
+    """precapture with mixed_graphs: every token bucket's key (and every decode key) captured
+    while the engine starts; the `run_mixed` traffic then replays steps with prefill tokens
+    with no capture while serving, token-identical to the kill switch."""
+    summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-precapture", {"precapture": True})
+    report("parity-mixed-precapture", summary)
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    # max_num_batched_tokens 256: token buckets 16..256, five keys, then the decode keys
+    assert len(summary["mixed_keys"]) == 5, summary["graph_keys"]
+    assert summary["captures"] == summary["startup_captures"] > 5, summary
+    assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
 
 
 def test_mixed_traffic_faults_keep_output_identical(tmp_path):
@@ -598,7 +613,7 @@ def test_precapture_serves_from_start_up_graphs(tmp_path):
     logs = summary["log_lines"]
     planned = next((ln for ln in logs if "pre-capturing" in ln), None)
     assert planned is not None, logs
-    keys = int(re.search(r"pre-capturing (\d+) decode graphs", planned).group(1))
+    keys = int(re.search(r"pre-capturing (\d+) graphs", planned).group(1))
     assert any(f"pre-captured {keys}/{keys}" in ln for ln in logs), logs
     # max_num_seqs 64, max_model_len 512: batch buckets up to 64, one context bucket (512)
     assert summary["startup_captures"] == keys and summary["captures"] == keys, summary

@@ -650,6 +650,66 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
 
 
+def test_precapture_captures_every_token_bucket_with_mixed_graphs():
+    """precapture with mixed_graphs: before the decode keys, one key per token bucket, largest
+    first, each from vLLM's _dummy_run of one-token requests (as many as the key's padded
+    requests) that the plan pads to the key's tokens as a non-uniform FULL batch, the varlen
+    kernel's tile planned from the bucket; a real mixed step then replays without capture."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.graphs.kinds import StepKind
+
+    class Builder:
+        def __init__(self) -> None:
+            self.planned = []
+
+        def plan_for(self, bucket, max_query_len=None) -> None:
+            self.planned.append((bucket, max_query_len))
+
+    r, capture, mode_enum = _stepping_runner(warmup_steps=3)
+    _mixed_graphs_on(r, token_buckets=(8, 16))
+    graphs = r.moe_graphs.graphs
+    graphs.config = dataclasses.replace(graphs.config, decode_batch_buckets=(2, 4),
+                                        context_buckets=(2048,))
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, precapture=True)
+    builder = Builder()
+    r.moe_graphs.metadata_builders = [builder]
+    calls = []
+
+    def dummy_run(num_tokens, **kw):
+        if kw.get("cudagraph_runtime_mode") is not mode_enum.FULL:
+            return None  # the kernel warm-up's eager batches
+        calls.append((num_tokens, kw["uniform_decode"], kw["profile_seq_lens"]))
+        mode, desc, *_ = r._determine_batch_execution_and_padding(
+            num_tokens, num_tokens, None, 1, False)
+        assert mode is mode_enum.FULL
+        calls.append((desc.num_tokens, desc.num_reqs, desc.uniform))
+        ids = torch.arange(1, desc.num_tokens + 1, dtype=torch.int32)
+        return r.model(input_ids=ids, positions=ids.long())
+
+    r._dummy_run = dummy_run
+    r.max_model_len = 2048
+    r.max_num_tokens, r.input_batch.block_table = 16, types.SimpleNamespace(
+        compute_slot_mapping=lambda *a: None)
+    r.capture_model()
+    # key (16, 0, 4) from 4 one-token requests padded to 16 tokens, then (8, 0, 4), then the
+    # decode keys (4 and 2 rows at the 2048 context bucket)
+    assert calls == [(4, False, 1), (16, 4, False), (4, False, 1), (8, 4, False),
+                     (4, True, 2048), (4, 4, True), (2, True, 2048), (2, 2, True)]
+    assert (None, 16) in builder.planned and (None, 8) in builder.planned
+    assert set(graphs.keys) == {GraphKey(16, 0, 4), GraphKey(8, 0, 4), GraphKey(4, 2048),
+                                GraphKey(2, 2048)}
+    assert graphs.stats.captures_by_kind == {StepKind.MIXED: 2, StepKind.DECODE: 2}
+    mode, desc, out = _step(r, 2, [5, 1])  # 6 tokens of 2 requests: key (8, 0, 4), replayed
+    assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (8, 4)
+    assert capture.captures == 4 and capture.replays >= 1
+    assert out[:, 0].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+
+
 def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
     """capture_model with lazy capture (the default): before the engine is ready, every graph
     key's decode batch (at its context bucket) and one mixed prefill batch run eagerly through

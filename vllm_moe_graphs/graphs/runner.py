@@ -156,6 +156,14 @@ class DecodeGraphRunner:
         """Every bucket pair of the config, largest batch first (what precapture captures)."""
         return all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
 
+    def mixed_keys(self) -> tuple[GraphKey, ...]:
+        """With `mixed_graphs`, the key of every token bucket, largest first (none without)."""
+        if not self.config.mixed_graphs:
+            return ()
+        requests = self.config.decode_batch_buckets[-1]
+        return tuple(GraphKey(t, 0, min(t, requests))
+                     for t in sorted(self.config.token_buckets, reverse=True))
+
     def output(self, key: GraphKey) -> torch.Tensor | None:
         """The static output tensor of `key`'s live graph (None when it has none)."""
         entry = self._graphs.get(key)
@@ -267,7 +275,9 @@ class DecodeGraphRunner:
             if reason is None:
                 if prepare is not None:
                     prepare(key)
-                reason = Reason.ELIGIBLE if self._capture(key, fwd) else Reason.CAPTURE_FAILED
+                kind = StepKind.DECODE if key.decode else StepKind.MIXED
+                reason = (Reason.ELIGIBLE if self._capture(key, fwd, kind)
+                          else Reason.CAPTURE_FAILED)
             out[key] = reason
         return out
 

@@ -285,9 +285,13 @@ class GraphLifecycle:
         (or precapture's dummy batch), or None: vLLM's own unpadded sizes."""
         if self.graphs is None:
             return None
-        if self._capturing is not None:
-            self._plan_attention(self._capturing.context_bucket, None)
-            return self._capturing.batch_bucket, self._capturing.batch_bucket, True
+        key = self._capturing
+        if key is not None:  # precapture's dummy batch, planned as a real step of the key
+            if key.decode:
+                self._plan_attention(key.context_bucket, None)
+                return key.batch_bucket, key.batch_bucket, True
+            self._plan_attention(None, key.batch_bucket)
+            return key.batch_bucket, key.request_bucket, False
         step = self._step
         if step is None:
             return None  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
@@ -365,7 +369,8 @@ class GraphLifecycle:
     @contextlib.contextmanager
     def capturing(self, key: GraphKey) -> Iterator[None]:
         """Inside the block the runner's model captures `key` when vLLM calls it, and vLLM's
-        padding plans the uniform decode batch of `key`'s bucket (precapture's dummy batch)."""
+        padding plans precapture's dummy batch as a real step of `key`: the uniform decode
+        batch of a decode key's bucket, a key with prefill tokens' token and request buckets."""
         from vllm_moe_graphs.integration.patch import runner_model
         from vllm_moe_graphs.integration.precapture import PrecaptureModel
 

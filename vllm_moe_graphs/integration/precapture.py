@@ -8,9 +8,12 @@ prefill batch per tile size of the prefill kernel run eagerly through vLLM's `_d
 then, for MoE models, the token counts that reach every variant of vLLM's fused-MoE kernel
 (`moe_warm_up.py`); nothing is captured.
 
-Precapture: vLLM's `_dummy_run` prepares each key's padded decode batch (inputs, attention
-metadata, forward context) and calls the model; inside `GraphLifecycle.capturing(key)`,
-`PrecaptureModel` stands in for the model there and captures that key."""
+Precapture: vLLM's `_dummy_run` prepares each key's padded batch (inputs, attention metadata,
+forward context) and calls the model; inside `GraphLifecycle.capturing(key)`, `PrecaptureModel`
+stands in for the model there and captures that key. With `mixed_graphs` the keys of steps with
+prefill tokens come first, one per token bucket, largest first: a dummy step of one-token
+requests, as many as the key pads requests to, which vLLM pads to the key's tokens (the graph
+of a token bucket serves every mix of requests within it)."""
 
 from __future__ import annotations
 
@@ -43,18 +46,26 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
         logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
                     "bucket after %d warm-up steps", config.warmup_steps)
         return 0
-    keys = graphs.all_keys()
-    logger.info("moe_graphs: pre-capturing %d decode graphs (precapture=true)", len(keys))
+    keys = graphs.mixed_keys() + graphs.all_keys()
+    logger.info("moe_graphs: pre-capturing %d graphs (precapture=true: %d decode keys, %d of "
+                "steps with prefill tokens)", len(keys), len(graphs.all_keys()),
+                len(graphs.mixed_keys()))
     start = time.perf_counter()
     for i, key in enumerate(keys):
         with lifecycle.capturing(key):
-            # NOTE: every row at the key's context bucket, as a real step of that key would
-            # plan it (the decode kernel's split count is a function of the bucket). vLLM's
-            # capture flag would plan every key for max_model_len.
-            runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                              uniform_decode=True, skip_eplb=True, remove_lora=False,
-                              is_graph_capturing=False,
-                              profile_seq_lens=key.context_bucket)  # <= max_model_len
+            if key.decode:
+                # NOTE: every row at the key's context bucket, as a real step of that key
+                # would plan it (the decode kernel's split count is a function of the
+                # bucket). vLLM's capture flag would plan every key for max_model_len.
+                runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                                  uniform_decode=True, skip_eplb=True, remove_lora=False,
+                                  is_graph_capturing=False,
+                                  profile_seq_lens=key.context_bucket)  # <= max_model_len
+            else:  # request_bucket one-token requests (<= max_num_seqs), padded to the key;
+                # each a one-token sequence (a longer dummy context could pass max_model_len)
+                runner._dummy_run(key.request_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                                  uniform_decode=False, skip_eplb=True, remove_lora=False,
+                                  is_graph_capturing=False, profile_seq_lens=1)
         if (i + 1) % 8 == 0 or i + 1 == len(keys):
             logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
                         time.perf_counter() - start)
