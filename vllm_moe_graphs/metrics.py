@@ -232,8 +232,18 @@ def _publish_deltas(now: dict, published: dict, inc) -> None:
 _recorder_by_pid: dict[int, MetricsRecorder] = {}
 
 
-def recorder(rank: int = 0) -> MetricsRecorder:
-    """This process' recorder (created on first use, after any fork, with the right files)."""
+def process_rank() -> int:
+    """This process' torch.distributed rank (0 when not initialised: one worker)."""
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def recorder(rank: int | None = None) -> MetricsRecorder:
+    """This process' recorder (created on first use, after any fork, with the right files);
+    `rank` None: this process' torch.distributed rank (0 when not initialised)."""
+    if rank is None:
+        rank = process_rank()
     pid = os.getpid()
     rec = _recorder_by_pid.get(pid)
     if rec is None:

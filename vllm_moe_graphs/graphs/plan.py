@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_moe_graphs.graphs.buckets import GraphKey
 from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.runner import Decision
 
@@ -39,13 +40,14 @@ class StepPlan:
 
     @property
     def padding(self) -> tuple[int, int, bool] | None:
-        """(tokens, requests, uniform decode) vLLM pads the step to when the decision is
-        `padded` (graph paths, warm-up, a graphable key's fallbacks): the decode key's rows, or
-        the token bucket and padded requests of a key with prefill tokens. None: unpadded, vLLM's own
-        sizes."""
-        if not self.decision.padded:
-            return None
-        key = self.decision.key
-        if key.decode:
-            return key.batch_bucket, key.batch_bucket, True
-        return key.batch_bucket, key.request_bucket, False
+        """`key_padding` of the decision's key when the decision is `padded` (graph paths,
+        warm-up, a graphable key's fallbacks); None: unpadded, vLLM's own sizes."""
+        return key_padding(self.decision.key) if self.decision.padded else None
+
+
+def key_padding(key: GraphKey) -> tuple[int, int, bool]:
+    """(tokens, requests, uniform decode) vLLM pads a step of `key` to: the decode key's rows,
+    or the token bucket and padded requests of a key with prefill tokens."""
+    if key.decode:
+        return key.batch_bucket, key.batch_bucket, True
+    return key.batch_bucket, key.request_bucket, False

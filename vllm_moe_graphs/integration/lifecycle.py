@@ -23,6 +23,7 @@ When vLLM makes these calls: the lifecycle table in `integration/model_runner.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm_moe_graphs import metrics
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.buckets import graph_config
 from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
-from vllm_moe_graphs.graphs.plan import StepPlan
+from vllm_moe_graphs.graphs.plan import StepPlan, key_padding
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
@@ -50,26 +52,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.moe_graphs")
 
 
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def metrics_recorder() -> MetricsRecorder:
-    """This process' metrics recorder; the worker has initialised torch.distributed by now."""
-    from vllm_moe_graphs.metrics import recorder
-
-    return recorder(rank())
-
-
+@dataclasses.dataclass(slots=True)
 class StepScope:
     """The one engine step in flight (inside `execute_model`): which path prepared its inputs,
     then its plan until the forward takes it."""
 
-    __slots__ = ("fast_inputs", "plan")
-
-    def __init__(self) -> None:
-        self.fast_inputs = False
-        self.plan: StepPlan | None = None
+    fast_inputs: bool = False
+    plan: StepPlan | None = None
 
 
 class GraphLifecycle:
@@ -80,7 +69,7 @@ class GraphLifecycle:
         self._runner = runner
         self.config = config
         self.storage = storage if storage is not None else PagedKVStorage(
-            metrics=metrics_recorder())
+            metrics=metrics.recorder())
         self.layers: AttentionLayerRegistry | None = None
         self.graphs: DecodeGraphRunner | None = None
         self.inputs: DecodeInputs | None = None  # fast_decode_inputs, once serving is bound
@@ -193,7 +182,7 @@ class GraphLifecycle:
         if self.graphs is None or self.graphs.closed:
             return
         self.graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, event)
-        metrics_recorder().record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
+        metrics.recorder().record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
         self.publish()
 
     def start(self) -> None:
@@ -209,7 +198,7 @@ class GraphLifecycle:
         if proof.holds and vllm_graphs:
             logger.warning("moe_graphs: vLLM's own CUDA graphs are on (cudagraph_mode=%s); the "
                            "plugin's decode graphs stay off (see docs/serving.md)", own.name)
-        report = hooks.record_capability(r.vllm_config, rank(), proof,
+        report = hooks.record_capability(r.vllm_config, metrics.process_rank(), proof,
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
             config = graph_config(c, r.max_num_reqs, r.max_model_len, r.max_num_tokens)
@@ -244,7 +233,7 @@ class GraphLifecycle:
         """Publish the graph runner's counters (`GraphStats`) as this process' metrics."""
         if self.graphs is not None:
             if self._recorder is None:
-                self._recorder = metrics_recorder()
+                self._recorder = metrics.recorder()
             self._recorder.publish(self.graphs.stats)
 
     # -- one engine step -------------------------------------------------------------------------
@@ -256,7 +245,7 @@ class GraphLifecycle:
 
     def end_step(self) -> None:
         self._step = None
-        self._plan_attention(None, None)
+        self._plan_key(None)
         if self.logits is not None:
             self.logits.clear()
         self.publish()  # after the step: never inside a captured region
@@ -285,13 +274,9 @@ class GraphLifecycle:
         (or precapture's dummy batch), or None: vLLM's own unpadded sizes."""
         if self.graphs is None:
             return None
-        key = self._capturing
-        if key is not None:  # precapture's dummy batch, planned as a real step of the key
-            if key.decode:
-                self._plan_attention(key.context_bucket, None)
-                return key.batch_bucket, key.batch_bucket, True
-            self._plan_attention(None, key.batch_bucket)
-            return key.batch_bucket, key.request_bucket, False
+        if self._capturing is not None:  # precapture's dummy batch, as a real step of the key
+            self._plan_key(self._capturing)
+            return key_padding(self._capturing)
         step = self._step
         if step is None:
             return None  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
@@ -308,28 +293,19 @@ class GraphLifecycle:
             # Rows are query tokens: one per request in a decode step, all of them otherwise.
             d = self.graphs.decide(num_tokens, max_context, decode,
                                    requests=num_reqs if mixed else None)
-        # NOTE: the LM head joins the forward of every padded step (replay, capture, warm-up, a
-        # kept-shape fallback) of a key that has it, whatever prepared the inputs: a key's
-        # graph has it or not for the engine's life. vLLM's compute_logits takes the result
-        # only for the exact view.
+        # NOTE: the LM head joins the forward of every padded step of a key that has it (fixed
+        # per key for the engine's life); vLLM's compute_logits takes it for the exact view.
         step.plan = StepPlan(
             kind, d, max_context, fast_inputs=step.fast_inputs,
             with_logits=d.padded and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
-        if not d.padded:
-            self._plan_attention(None, None)
-        elif d.key.decode:
-            self._plan_attention(d.key.context_bucket, None)
-        else:  # the varlen kernel's tile is the key's: one launch shape per graph
-            self._plan_attention(None, d.key.batch_bucket)
+        self._plan_key(d.key if d.padded else None)
         return step.plan.padding
 
     def builds_metadata(self) -> bool:
-        """Whether this step needs vLLM's attention metadata. A lean replay runs no Python of
-        the model: the graph reads the persistent buffers the metadata would view
-        (`runner_buffers.read_metadata_in_place`), so building it is host time only. Its one
-        device write, the null block id in padded block-table rows, is never read: padded rows
-        have seq_len 0, and the decode kernel reads no block then."""
+        """Whether this step needs vLLM's attention metadata. A lean replay reads the persistent
+        buffers the metadata would view (`runner_buffers.read_metadata_in_place`); the build's
+        one device write (null block ids in padded rows, seq_len 0) is never read."""
         step = self._step
         return step is None or step.plan is None or not step.plan.lean
 
@@ -380,7 +356,7 @@ class GraphLifecycle:
                 yield
         finally:
             self._real_model, self._capturing = None, None
-            self._plan_attention(None, None)
+            self._plan_key(None)
 
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
@@ -391,10 +367,16 @@ class GraphLifecycle:
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
-    def _plan_attention(self, context_bucket: int | None, max_query_len: int | None) -> None:
-        """Our metadata builders plan the next build for this graph key (`plan_for`)."""
+    def _plan_key(self, key: GraphKey | None) -> None:
+        """Our metadata builders plan the next build for `key` (`plan_for`): a decode key's
+        context bucket (the decode kernel's split count), a key with prefill tokens' token
+        bucket (the varlen kernel's tile: one launch shape per graph); None: the step's own."""
+        if key is None:
+            planned = (None, None)
+        else:
+            planned = (key.context_bucket, None) if key.decode else (None, key.batch_bucket)
         for builder in self.metadata_builders:
-            builder.plan_for(context_bucket, max_query_len)
+            builder.plan_for(*planned)
 
     def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
         """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
