@@ -317,16 +317,10 @@ class VllmFlashAttn:
 
 
 def flash_attn_problem() -> str | None:
-    """Why vLLM's FA3 cannot be benchmarked here, or None."""
-    try:
-        from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
-        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason
+    """Why vLLM's FA3 cannot be benchmarked here, or None (the plugin's own check)."""
+    from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_problem as problem
 
-        if not is_flash_attn_varlen_func_available():
-            return "vLLM's flash_attn_varlen_func is not available"
-        return fa_version_unsupported_reason(3)
-    except Exception as exc:  # noqa: BLE001 - any import failure means no FA3 here
-        return f"{type(exc).__name__}: {exc}"
+    return problem()
 
 
 class Ours:

@@ -52,6 +52,12 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "tokens graphed too, experimental)",
                   args=("--additional-config", json.dumps({"moe_graphs": {"mixed_graphs": True}})),
                   ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_mixed_fa3", "on request: `plugin_mixed` with prefill_attention "
+                  "flash_attn (steps with prefill tokens attend through FlashAttention 3, "
+                  "experimental)",
+                  args=("--additional-config", json.dumps({"moe_graphs": {
+                      "mixed_graphs": True, "prefill_attention": "flash_attn"}})),
+                  ready_estimate_s=60.0, default=False),
     )
 }
 DEFAULT_MODES = [name for name, mode in SERVE_MODES.items() if mode.default]

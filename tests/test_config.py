@@ -27,6 +27,9 @@ def test_parses_every_field():
     assert mixed.mixed_graphs is True and mixed.token_buckets == (64, 512, 8192)
     assert PluginConfig.from_dict(mixed.to_dict()) == mixed
     assert PluginConfig().mixed_graphs is False  # experimental: off unless asked for
+    fa3 = PluginConfig.from_dict({"prefill_attention": "flash_attn"})
+    assert fa3.prefill_attention == "flash_attn" and PluginConfig.from_dict(fa3.to_dict()) == fa3
+    assert PluginConfig().prefill_attention == "triton"
 
 
 def test_frozen():
@@ -60,6 +63,7 @@ def test_default_buckets_sorted_and_positive():
     ({"context_buckets": [1.5]}, ["moe_graphs.context_buckets", "1.5", "positive integer"]),
     ({"token_buckets": [64, 32]}, ["moe_graphs.token_buckets", "strictly increasing"]),
     ({"mixed_graphs": "on"}, ["moe_graphs.mixed_graphs", "'on'", "true or false"]),
+    ({"prefill_attention": "fa3"}, ["moe_graphs.prefill_attention", "'fa3'", "flash_attn"]),
     ({"capture_failure_policy": "ignore"}, ["moe_graphs.capture_failure_policy", "'ignore'",
                                             "quarantine"]),
 ])

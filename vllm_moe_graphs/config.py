@@ -63,6 +63,10 @@ class PluginConfig:
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).
     token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # Attention of steps with prefill tokens: "triton" (the plugin's varlen kernel) or
+    # "flash_attn" (experimental: vLLM's FlashAttention 3 varlen kernel with ahead-of-time
+    # scheduler metadata, where vLLM has it; else the plugin's, with a log line).
+    prefill_attention: str = "triton"
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -143,6 +147,15 @@ def _buckets(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+PREFILL_ATTENTION = ("triton", "flash_attn")
+
+
+def _prefill_attention(key: str, value: Any) -> str:
+    if value not in PREFILL_ATTENTION:
+        raise ValueError(f"{CONFIG_KEY}.{key}={value!r} must be one of {list(PREFILL_ATTENTION)}")
+    return value
+
+
 def _policy(key: str, value: Any) -> CaptureFailurePolicy:
     accepted = [p.value for p in CaptureFailurePolicy]
     if value not in accepted:
@@ -164,6 +177,7 @@ _PARSERS = {
     "logits_in_graph": _bool,
     "mixed_graphs": _bool,
     "token_buckets": _buckets,
+    "prefill_attention": _prefill_attention,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"
 

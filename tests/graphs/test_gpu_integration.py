@@ -502,6 +502,18 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 
 
+def test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager(tmp_path):
+    """prefill_attention flash_attn (experimental): steps with prefill tokens attend through
+    vLLM's FlashAttention 3 with its schedule planned outside the graph; the `run_mixed`
+    traffic token-identical to the kill switch, steps with prefill tokens replayed."""
+    summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-fa3", {"prefill_attention": "flash_attn"})
+    report("parity-mixed-flash-attn", summary)
+    assert any("use FlashAttention 3" in ln for ln in summary["log_lines"]), summary["log_lines"]
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
+
+
 def test_mixed_precapture_serves_mixed_traffic_without_capture(tmp_path):
     """precapture with mixed_graphs: every token bucket's key (and every decode key) captured
     while the engine starts; the `run_mixed` traffic then replays steps with prefill tokens

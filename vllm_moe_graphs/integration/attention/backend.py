@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, Attention
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
 from vllm_moe_graphs.integration.attention import BACKEND_NAME
+from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_prefill
 from vllm_moe_graphs.integration.attention.metadata import (
     MoeGraphsAttentionMetadata,
     MoeGraphsMetadataBuilder,
@@ -259,6 +260,10 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
                 num_splits=md.num_splits,
                 workspace=md.workspace,
             )
+        elif md.fa3_schedule is not None:  # prefill_attention flash_attn
+            tokens = md.num_actual_tokens
+            flash_attn_prefill(output[:tokens], query[:tokens], key_cache, value_cache, md,
+                               self.scale)
         else:
             tokens = md.num_actual_tokens
             paged_prefill_attention(

@@ -20,11 +20,14 @@ runner, vLLM's own capture) keeps the copies.
 
 Kernel choice (host ints only): `max_query_len == 1` -> paged_decode_attention over B rows, with
 `num_splits` a pure function of (B, context bucket, kv heads, SM count); any other batch ->
-paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too).
+paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too), or with
+`prefill_attention: flash_attn` FlashAttention 3's varlen kernel, its schedule planned here
+(`flash_attn.py`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -38,12 +41,15 @@ from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from vllm_moe_graphs.config import plugin_config
 from vllm_moe_graphs.graphs.buckets import attention_context_buckets, context_bucket
+from vllm_moe_graphs.integration.attention.flash_attn import FlashAttnPrefill, flash_attn_problem
 from vllm_moe_graphs.ops import choose_num_splits, decode_workspace_shape
 from vllm_moe_graphs.ops.kv_write import check_block_size, check_head_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import AttentionSpec
+
+logger = logging.getLogger("vllm.moe_graphs")
 
 # SM count used when the kernels run under the Triton interpreter on CPU tensors (tests): small,
 # so that the split-K path is exercised there too.
@@ -73,6 +79,11 @@ class MoeGraphsAttentionMetadata:
     context_bucket: int  # longest context `num_splits` was planned for
     num_splits: int  # S of the decode kernel (1: no split, no workspace)
     workspace: torch.Tensor | None  # [B, Hq, S, D + 2] float32 when num_splits > 1
+    # prefill_attention flash_attn, a step with prefill tokens: FA3's schedule (a view of the
+    # builder's persistent buffer), split count and max_seqlen_k; None: the plugin's kernel
+    fa3_schedule: torch.Tensor | None = None
+    fa3_splits: int = 0
+    fa3_max_seq_len: int = 0
 
 
 class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetadata]):
@@ -127,6 +138,18 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         # the graph key the current step was planned for (plan_for)
         self._planned_context: int | None = None
         self._planned_query_len: int | None = None
+        self.flash_attn: FlashAttnPrefill | None = None
+        if plugin.prefill_attention == "flash_attn":
+            if (problem := flash_attn_problem()) is None:
+                self.flash_attn = FlashAttnPrefill(
+                    vllm_config, self.num_heads_q, self.num_heads_kv, self.head_size,
+                    self.block_size, self.max_num_reqs, torch.device(device))
+                logger.info("moe_graphs: steps with prefill tokens use FlashAttention 3 "
+                            "(prefill_attention flash_attn)")
+            else:
+                logger.warning("moe_graphs: prefill_attention flash_attn is not available "
+                               "(%s); steps with prefill tokens use the plugin's kernel",
+                               problem)
 
     # ------------------------------------------------------------------------- plan
 
@@ -219,10 +242,18 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         if bucket is None:
             bucket = context_bucket(self.context_buckets, cm.max_seq_len)
         num_splits = self.num_splits(num_reqs, bucket) if decode else 1
+        max_query_len = self._planned_query_len or cm.max_query_len
+        fa3: dict[str, object] = {}
+        if self.flash_attn is not None and not decode:
+            # a graph key's launch bounds every step of the key: its token bucket, max_model_len
+            max_seq_len = self.max_model_len if self._planned_query_len else cm.max_seq_len
+            schedule, splits = self.flash_attn.plan(num_reqs, num_tokens, query_start_loc,
+                                                    seq_lens, max_query_len, max_seq_len)
+            fa3 = dict(fa3_schedule=schedule, fa3_splits=splits, fa3_max_seq_len=max_seq_len)
         return MoeGraphsAttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
-            max_query_len=self._planned_query_len or cm.max_query_len,
+            max_query_len=max_query_len,
             max_seq_len=cm.max_seq_len,
             decode=decode,
             query_start_loc=query_start_loc,
@@ -231,6 +262,7 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
             context_bucket=bucket,
             num_splits=num_splits,
             workspace=self._workspace_view(num_reqs, num_splits) if num_splits > 1 else None,
+            **fa3,
         )
 
     def build_for_cudagraph_capture(
@@ -246,8 +278,11 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a captured graph reads (their identity is part of the KV storage's)."""
-        return {"query_start_loc": self._query_start_loc, "seq_lens": self._seq_lens,
-                "block_table": self._block_table, "workspace": self._workspace}
+        buffers = {"query_start_loc": self._query_start_loc, "seq_lens": self._seq_lens,
+                   "block_table": self._block_table, "workspace": self._workspace}
+        if self.flash_attn is not None:
+            buffers["fa3_schedule"] = self.flash_attn.scheduler_buffer
+        return buffers
 
     # ------------------------------------------------------------------------- helpers
 
