@@ -16,9 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-side checks")
 
 
-def test_without_cuda_exits_2_naming_the_gpu(tmp_path):
+@pytest.mark.parametrize("module", ["benchmarks.attn_kernels", "benchmarks.prefill_kernels"])
+def test_without_cuda_exits_2_naming_the_gpu(module, tmp_path):
     out = tmp_path / "attn.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.attn_kernels", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", module, "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
     assert not out.exists()
@@ -30,14 +31,6 @@ def test_flash_attn_baseline_absence_has_a_reason():
 
 
 # -- the prefill-attention benchmark (benchmarks/prefill_kernels.py) ---------------------------
-def test_prefill_benchmark_without_cuda_exits_2(tmp_path):
-    out = tmp_path / "prefill.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_kernels", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
-    assert not out.exists()
-
-
 def test_prefill_cases_parse_into_steps():
     from benchmarks.prefill_kernels import parse_case, token_bucket
 

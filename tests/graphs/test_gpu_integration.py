@@ -683,6 +683,15 @@ def test_disable_env_runs_stock_vllm(tmp_path):
     assert len(result["phases"][0]["tokens"]) == 8
 
 
+def poll_metrics(base: str, what: str, ok: Callable[[str], bool], limit_s: float = 60.0) -> str:
+    """The server's /metrics text once `ok` holds for it; fails after `limit_s` seconds."""
+    end = time.monotonic() + limit_s
+    while not ok(text := get(base + "/metrics")):
+        assert time.monotonic() < end, f"no {what} within {limit_s:.0f} s"
+        time.sleep(0.05)
+    return text
+
+
 def test_kill_file_under_load_through_vllm_serve(tmp_path):
     """200 concurrent requests through `vllm serve`; the kill file is created once graphs replay
     under that load and removed once /metrics shows the switch, while requests are still in
@@ -701,23 +710,16 @@ def test_kill_file_under_load_through_vllm_serve(tmp_path):
             return len(post_json(base + "/v1/completions", body, timeout=300)["choices"][0]
                        ["text"])
 
-        def poll(what: str, ok: Callable[[str], bool], limit_s: float = 60.0) -> str:
-            end = time.monotonic() + limit_s
-            while not ok(text := get(base + "/metrics")):
-                assert time.monotonic() < end, f"no {what} within {limit_s:.0f} s"
-                time.sleep(0.05)
-            return text
-
         # NOTE: the switch is flipped on what /metrics shows, not on a timer: with no Triton
         # compile left to the first requests (start-up warm-up), the load can end within a
         # second, before a timed flip.
         with concurrent.futures.ThreadPoolExecutor(200) as pool:
             futures = [pool.submit(one, i) for i in range(200)]
-            before = poll("replay under load",
-                          lambda t: metric(t, "moe_graphs_replays_total") > 0)
+            before = poll_metrics(base, "replay under load",
+                                  lambda t: metric(t, "moe_graphs_replays_total") > 0)
             kill_file.touch()
-            mid = poll("kill-switch fallback", lambda t: metric(t, fallbacks,
-                                                                reason="kill_switch") > 0)
+            mid = poll_metrics(base, "kill-switch fallback",
+                               lambda t: metric(t, fallbacks, reason="kill_switch") > 0)
             in_flight = sum(not f.done() for f in futures)
             kill_file.unlink()
             failures = [repr(f.exception()) for f in futures if f.exception() is not None]
@@ -778,21 +780,15 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
             usage = post_json(base + "/v1/completions", body, timeout=300)["usage"]
             return usage["completion_tokens"] == body["max_tokens"]
 
-        def poll(what: str, ok: Callable[[str], bool], limit_s: float = 60.0) -> str:
-            end = time.monotonic() + limit_s
-            while not ok(text := get(base + "/metrics")):
-                assert time.monotonic() < end, f"no {what} within {limit_s:.0f} s"
-                time.sleep(0.05)
-            return text
-
         flips = []
         with concurrent.futures.ThreadPoolExecutor(200) as pool:
             futures = [pool.submit(one, i) for i in range(200)]
             for n in (1, 2):  # kill file on, seen, off, then replays again: twice
-                poll("replay under load", lambda t: metric(t, "moe_graphs_replays_total") > 0)
+                poll_metrics(base, "replay under load",
+                             lambda t: metric(t, "moe_graphs_replays_total") > 0)
                 kill_file.touch()
-                poll("kill-switch fallback",
-                     lambda t, n=n: metric(t, fallbacks, reason="kill_switch") >= n)
+                poll_metrics(base, "kill-switch fallback",
+                             lambda t, n=n: metric(t, fallbacks, reason="kill_switch") >= n)
                 flips.append(sum(not f.done() for f in futures))
                 kill_file.unlink()
                 time.sleep(0.5)
