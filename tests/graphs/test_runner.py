@@ -211,13 +211,17 @@ def test_zero_budget_means_no_graphs():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
-def test_no_cuda_runs_everything_eager():
+def test_no_cuda_runs_everything_eager(tmp_path):
     toy = Toy()
-    runner = DecodeGraphRunner(toy.forward, config(warmup_steps=0))
+    kill = tmp_path / "kill"
+    runner = DecodeGraphRunner(toy.forward, config(warmup_steps=0),
+                               kill_switch=KillSwitch(str(kill), interval_s=0))
     for _ in range(3):
         d = step(runner, toy, 3)
         assert d == Decision(Action.EAGER, GraphKey(4, 16), Reason.NO_CUDA, 3)
-    assert toy.calls == [3, 3, 3]
+    kill.touch()  # no graph is possible: unpadded whatever the switch says
+    assert step(runner, toy, 3).reason is Reason.NO_CUDA
+    assert toy.calls == [3, 3, 3, 3]
     assert set(runner.precapture().values()) == {Reason.NO_CUDA}
     assert runner.keys == ()
 

@@ -198,13 +198,13 @@ class DecodeGraphRunner:
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
                                  self.config.decode_batch_buckets[-1])
-        if self._kill is not None and self._kill.active():  # the key's shape, no graph
-            return Decision(Action.EAGER, None if isinstance(key, Reason) else key,
-                            Reason.KILL_SWITCH, num_reqs)
+        killed = self._kill is not None and self._kill.active()
         if isinstance(key, Reason):
-            return Decision(Action.EAGER, None, key, num_reqs)
-        if self._no_graphs is not None:
+            return Decision(Action.EAGER, None, Reason.KILL_SWITCH if killed else key, num_reqs)
+        if self._no_graphs is not None:  # unpadded: no graph is possible here at all
             return Decision(Action.EAGER, key, self._no_graphs, num_reqs)
+        if killed:  # the key's shape, no graph
+            return Decision(Action.EAGER, key, Reason.KILL_SWITCH, num_reqs)
         entry = self._graphs.get(key)
         if entry is not None:
             if self._storage is not None:
