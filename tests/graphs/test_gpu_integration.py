@@ -443,8 +443,9 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
     phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
     tiny real checkpoint (512 positions): prompts scaled to 1/20 (the long ones ~220 tokens),
-    a 64-token step budget so they still chunk, one arrival every step (vLLM's scheduler on
-    the CPU build, same prompts: 270 of 525 steps carry prefill tokens)."""
+    a 48-token step budget and 48 sequences so they still chunk, one arrival every step
+    (vLLM's scheduler on the CPU build, same prompts: 325 of 582 steps carry prefill
+    tokens)."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
@@ -452,7 +453,8 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
 
         model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
         vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
-        kwargs = _llm_kwargs(model, max_model_len=512, max_num_batched_tokens=64, **cfg)
+        kwargs = _llm_kwargs(model, max_model_len=512, max_num_batched_tokens=48,
+                             max_num_seqs=48, **cfg)
         prompts, redraw, every = mixed_prompts(vocab, scale=0.05), False, 1
     else:
         model, vocab = _shape_dir(tmp_path, shape)
