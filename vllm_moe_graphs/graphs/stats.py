@@ -14,25 +14,26 @@ from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.kinds import StepKind
 
 
+def _add(counts: dict, key: object, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
 @dataclasses.dataclass(slots=True)
 class GraphStats:
-    """Totals since the runner was created (see the module docstring)."""
+    """Totals since the runner was created (see the module docstring). Every counter is kept
+    once, by step kind (the metrics' `kind` label); the totals are sums of them."""
 
-    replays: int = 0  # steps whose output came from a graph (replay, or capture then replay)
-    fallbacks: dict[Reason, int] = dataclasses.field(default_factory=dict)  # eager, by reason
-    # the same two by step kind (the metrics' `kind` label)
+    # steps whose output came from a graph (replay, or capture then replay)
     replays_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
+    # steps run eager, by reason and kind (warm-up steps are not fallbacks)
     fallbacks_by_kind: dict[tuple[Reason, StepKind], int] = dataclasses.field(
         default_factory=dict)
-    captures: int = 0
-    capture_failures: int = 0
-    # by the kind of the step that captured (precapture: decode)
+    # by the kind of the step that captured (precapture: decode keys decode, others mixed)
     captures_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     capture_failures_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     # (kind, seconds) of each capture not yet published
     capture_seconds: list[tuple[StepKind, float]] = dataclasses.field(default_factory=list)
-    pool_bytes: int = 0  # the shared graph pool, now
-    # the pool's growth by the kind of the step whose capture grew it; sums to pool_bytes
+    # the shared pool's bytes by the kind of the step whose capture grew it
     pool_bytes_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     scratch_bytes: int = 0  # the caller's static buffers and scratch, now
     # rows (decode: requests; other kinds: query tokens) of the steps that ran at a key's
@@ -41,32 +42,51 @@ class GraphStats:
     padding_rows_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
 
     def replay(self, kind: StepKind = StepKind.DECODE) -> None:
-        self.replays += 1
-        self.replays_by_kind[kind] = self.replays_by_kind.get(kind, 0) + 1
+        _add(self.replays_by_kind, kind)
 
     def fallback(self, reason: Reason, kind: StepKind = StepKind.DECODE) -> None:
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        self.fallbacks_by_kind[reason, kind] = self.fallbacks_by_kind.get((reason, kind), 0) + 1
+        _add(self.fallbacks_by_kind, (reason, kind))
 
     def padded_step(self, kind: StepKind, real: int, padding: int) -> None:
-        self.real_rows_by_kind[kind] = self.real_rows_by_kind.get(kind, 0) + real
-        self.padding_rows_by_kind[kind] = self.padding_rows_by_kind.get(kind, 0) + padding
+        _add(self.real_rows_by_kind, kind, real)
+        _add(self.padding_rows_by_kind, kind, padding)
 
     def capture(self, kind: StepKind, seconds: float, pool_growth: int) -> None:
-        self.captures += 1
-        self.captures_by_kind[kind] = self.captures_by_kind.get(kind, 0) + 1
+        _add(self.captures_by_kind, kind)
         self.capture_seconds.append((kind, seconds))
-        self.pool_bytes += pool_growth
-        self.pool_bytes_by_kind[kind] = self.pool_bytes_by_kind.get(kind, 0) + pool_growth
+        _add(self.pool_bytes_by_kind, kind, pool_growth)
 
     def capture_failure(self, kind: StepKind) -> None:
-        self.capture_failures += 1
-        self.capture_failures_by_kind[kind] = self.capture_failures_by_kind.get(kind, 0) + 1
+        _add(self.capture_failures_by_kind, kind)
 
     def pool_dropped(self) -> None:
-        self.pool_bytes = 0
         self.pool_bytes_by_kind.clear()
 
     @property
+    def replays(self) -> int:
+        return sum(self.replays_by_kind.values())
+
+    @property
+    def fallbacks(self) -> dict[Reason, int]:
+        """Eager steps by reason, every kind together."""
+        out: dict[Reason, int] = {}
+        for (reason, _), n in self.fallbacks_by_kind.items():
+            _add(out, reason, n)
+        return out
+
+    @property
+    def captures(self) -> int:
+        return sum(self.captures_by_kind.values())
+
+    @property
+    def capture_failures(self) -> int:
+        return sum(self.capture_failures_by_kind.values())
+
+    @property
+    def pool_bytes(self) -> int:
+        """The shared graph pool, now."""
+        return sum(self.pool_bytes_by_kind.values())
+
+    @property
     def eager_fallbacks(self) -> int:
-        return sum(self.fallbacks.values())
+        return sum(self.fallbacks_by_kind.values())
