@@ -629,7 +629,8 @@ metrics_transport.setup_root()
 rec = recorder(0)
 rec.set_mode(Mode.GRAPHS)
 rec.replay(5); rec.fallback(Reason.MIXED_BATCH, 2); rec.capture(0.25)
-rec.set_memory(3 * 2**20, 1024)
+from vllm_moe_graphs.graphs.kinds import StepKind
+rec.set_memory({StepKind.DECODE: 3 * 2**20}, 1024)
 from benchmarks._mode_worker import plugin_counters
 print(json.dumps(plugin_counters()))
 """

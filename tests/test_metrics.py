@@ -47,7 +47,9 @@ def _worker(directory: str, rank: int, replays: int) -> None:
     rec.replay(replays)
     rec.fallback(Reason.KILL_SWITCH, 2)
     rec.capture(0.2)
-    rec.set_memory(pool_bytes=1000 * (rank + 1), scratch_bytes=10)
+    from vllm_moe_graphs.graphs.kinds import StepKind
+
+    rec.set_memory({StepKind.DECODE: 1000 * (rank + 1)}, scratch_bytes=10)
 
 
 def test_every_metric_exported_with_prefix(tmp_path):

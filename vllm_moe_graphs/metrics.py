@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram, values
@@ -138,8 +138,8 @@ class MetricsRecorder:
             self._capture_seconds = {k: seconds.labels(k.value, r) for k in StepKind}
             rows = Counter("moe_graphs_graph_rows", METRICS["moe_graphs_graph_rows_total"],
                            ["kind", "row", "rank"], registry=None)
-            self._rows = {(k, row): rows.labels(k.value, row, r) for k in StepKind
-                          for row in ("real", "padding")}
+            self._real_rows = {k: rows.labels(k.value, "real", r) for k in StepKind}
+            self._padding_rows = {k: rows.labels(k.value, "padding", r) for k in StepKind}
             invalidations = Counter("moe_graphs_invalidations",
                                     METRICS["moe_graphs_invalidations_total"], ["reason", "rank"],
                                     registry=None)
@@ -150,6 +150,11 @@ class MetricsRecorder:
             self._scratch_bytes = Gauge(
                 "moe_graphs_scratch_bytes", METRICS["moe_graphs_scratch_bytes"], ["rank"],
                 registry=None, multiprocess_mode="max").labels(r)
+        # the GraphStats counters `publish` sends, each with its label children by step kind
+        self._by_kind = (("replays_by_kind", self._replays), ("captures_by_kind", self._captures),
+                         ("capture_failures_by_kind", self._capture_failures),
+                         ("real_rows_by_kind", self._real_rows),
+                         ("padding_rows_by_kind", self._padding_rows))
 
     # -- recording ---------------------------------------------------------------------------
     def set_mode(self, mode: Mode) -> None:
@@ -183,11 +188,10 @@ class MetricsRecorder:
     def capture_failure(self, kind: StepKind = StepKind.DECODE) -> None:
         self._capture_failures[StepKind(kind)].inc()
 
-    def set_memory(self, pool_bytes: int | dict[StepKind, int], scratch_bytes: int) -> None:
-        """The pool's bytes (by step kind; a plain int counts as decode) and the scratch."""
-        by_kind = pool_bytes if isinstance(pool_bytes, dict) else {StepKind.DECODE: pool_bytes}
+    def set_memory(self, pool_bytes_by_kind: Mapping[StepKind, int], scratch_bytes: int) -> None:
+        """The graph pool's bytes by step kind (kinds absent: 0) and the scratch bytes."""
         for kind, child in self._pool_bytes.items():
-            child.set(by_kind.get(kind, 0))
+            child.set(pool_bytes_by_kind.get(kind, 0))
         self._scratch_bytes.set(scratch_bytes)
 
     def publish(self, stats: GraphStats) -> None:
@@ -196,14 +200,10 @@ class MetricsRecorder:
         A new `stats` object (a new runner) starts from zero."""
         last = self._published.get(id(stats))
         if last is None or last[0] is not stats:
-            last = self._published[id(stats)] = [stats, {}, None]
-        _, counts, memory = last
-        rows = {k: self._rows[k, "real"] for k in StepKind}
-        padding = {k: self._rows[k, "padding"] for k in StepKind}
-        for name, children in (("replays_by_kind", self._replays),
-                               ("captures_by_kind", self._captures),
-                               ("capture_failures_by_kind", self._capture_failures),
-                               ("real_rows_by_kind", rows), ("padding_rows_by_kind", padding)):
+            # [stats, published counters by name, pool bytes by kind, scratch bytes]
+            last = self._published[id(stats)] = [stats, {}, None, None]
+        counts = last[1]
+        for name, children in self._by_kind:
             _publish_deltas(getattr(stats, name), counts.setdefault(name, {}),
                             lambda kind, n, c=children: c[kind].inc(n))
         _publish_deltas(stats.fallbacks_by_kind, counts.setdefault("fallbacks", {}),
@@ -211,11 +211,9 @@ class MetricsRecorder:
         while stats.capture_seconds:
             kind, seconds = stats.capture_seconds.pop(0)
             self._capture_seconds[kind].observe(seconds)
-        now = (tuple(sorted(stats.pool_bytes_by_kind.items())), stats.scratch_bytes)
-        if now != memory:
-            self.set_memory(dict(stats.pool_bytes_by_kind), stats.scratch_bytes)
-            last[2] = now
-
+        if stats.pool_bytes_by_kind != last[2] or stats.scratch_bytes != last[3]:
+            self.set_memory(stats.pool_bytes_by_kind, stats.scratch_bytes)
+            last[2], last[3] = dict(stats.pool_bytes_by_kind), stats.scratch_bytes
 
 
 def _publish_deltas(now: dict, published: dict, inc) -> None:
