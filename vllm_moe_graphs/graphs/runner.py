@@ -160,9 +160,8 @@ class DecodeGraphRunner:
         """With `mixed_graphs`, the key of every token bucket, largest first (none without)."""
         if not self.config.mixed_graphs:
             return ()
-        requests = self.config.decode_batch_buckets[-1]
-        return tuple(GraphKey(t, 0, min(t, requests))
-                     for t in sorted(self.config.token_buckets, reverse=True))
+        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets[-1]
+        return tuple(pick_mixed_key(t, 1, buckets, requests) for t in sorted(buckets, reverse=True))
 
     def output(self, key: GraphKey) -> torch.Tensor | None:
         """The static output tensor of `key`'s live graph (None when it has none)."""

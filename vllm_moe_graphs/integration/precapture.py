@@ -46,10 +46,10 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
         logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
                     "bucket after %d warm-up steps", config.warmup_steps)
         return 0
-    keys = graphs.mixed_keys() + graphs.all_keys()
+    mixed, decode = graphs.mixed_keys(), graphs.all_keys()
+    keys = mixed + decode
     logger.info("moe_graphs: pre-capturing %d graphs (precapture=true: %d decode keys, %d of "
-                "steps with prefill tokens)", len(keys), len(graphs.all_keys()),
-                len(graphs.mixed_keys()))
+                "steps with prefill tokens)", len(keys), len(decode), len(mixed))
     start = time.perf_counter()
     for i, key in enumerate(keys):
         with lifecycle.capturing(key):
