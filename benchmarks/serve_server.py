@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import json
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -37,6 +37,11 @@ class ServeMode:
     default: bool = True  # runs without --modes; False: only when named
 
 
+def _plugin_config(**settings: Any) -> tuple[str, ...]:
+    """`vllm serve` flags setting these `moe_graphs` options."""
+    return ("--additional-config", json.dumps({"moe_graphs": settings}))
+
+
 SERVE_MODES: dict[str, ServeMode] = {
     m.name: m
     for m in (
@@ -50,13 +55,11 @@ SERVE_MODES: dict[str, ServeMode] = {
                   env={"VLLM_PLUGINS": ""}),
         ServeMode("plugin_mixed", "on request: `plugin` with mixed_graphs (steps with prefill "
                   "tokens graphed too, experimental)",
-                  args=("--additional-config", json.dumps({"moe_graphs": {"mixed_graphs": True}})),
-                  ready_estimate_s=60.0, default=False),
+                  args=_plugin_config(mixed_graphs=True), ready_estimate_s=60.0, default=False),
         ServeMode("plugin_mixed_fa3", "on request: `plugin_mixed` with prefill_attention "
                   "flash_attn (steps with prefill tokens attend through FlashAttention 3, "
                   "experimental)",
-                  args=("--additional-config", json.dumps({"moe_graphs": {
-                      "mixed_graphs": True, "prefill_attention": "flash_attn"}})),
+                  args=_plugin_config(mixed_graphs=True, prefill_attention="flash_attn"),
                   ready_estimate_s=60.0, default=False),
     )
 }
