@@ -49,7 +49,6 @@ class FlashAttnPrefill:
         self.num_heads_q, self.num_heads_kv = num_heads_q, num_heads_kv
         self.head_size, self.block_size = head_size, block_size
         self.dtype = vllm_config.model_config.dtype
-        self.max_model_len = vllm_config.model_config.max_model_len
         self.max_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
         # FA3's scheduler metadata: 1 + round_up(batch, 4) * 4 int32 (vLLM's FlashAttention
         # builder allocates the same); allocated once, filled by plan()
