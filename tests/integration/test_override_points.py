@@ -454,24 +454,28 @@ def test_replayed_fast_steps_build_no_attention_metadata(monkeypatch, tmp_path):
     assert built[4:] == ["built"] * 4
 
 
+class _PlanRecorder:
+    """Stands in for our metadata builder: records what each build was planned for."""
+
+    def __init__(self) -> None:
+        self.planned = []
+
+    def plan_for(self, context_bucket, max_query_len=None) -> None:
+        self.planned.append((context_bucket, max_query_len))
+
+
 def test_graph_steps_plan_attention_for_their_keys_context_bucket():
     """The step plan hands its graph key's context bucket to our metadata builders (the split
     count a key's graph is captured with), none to an eager step, and clears it after the step."""
-    class Builder:
-        def __init__(self) -> None:
-            self.planned = []
-
-        def plan_for(self, bucket, max_query_len=None) -> None:
-            self.planned.append(bucket)
-
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
-    builder = Builder()
+    builder = _PlanRecorder()
     r.moe_graphs.metadata_builders = [builder]
     key = r.moe_graphs.graphs.decide(3, 12, True).key  # contexts 10..12
     for _ in range(3):  # warm-up, capture, replay
         _step(r, 3, [1, 1, 1])
     _step(r, 2, [5, 1])  # mixed: eager, the builder picks its own bucket
-    assert builder.planned == [key.context_bucket, None] * 3 + [None, None], builder.planned
+    assert builder.planned == [(key.context_bucket, None), (None, None)] * 3 + [
+        (None, None)] * 2, builder.planned
 
 
 def _mixed_graphs_on(r, token_buckets=(8, 16)):
@@ -491,16 +495,9 @@ def test_mixed_steps_replay_from_token_buckets_with_mixed_graphs():
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.kinds import StepKind
 
-    class Builder:
-        def __init__(self) -> None:
-            self.planned = []
-
-        def plan_for(self, bucket, max_query_len=None) -> None:
-            self.planned.append((bucket, max_query_len))
-
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     _mixed_graphs_on(r)
-    builder = Builder()
+    builder = _PlanRecorder()
     r.moe_graphs.metadata_builders = [builder]
     for expected in ("warm-up", "capture", "replay"):
         mode, desc, out = _step(r, 2, [5, 1])  # 6 query tokens of 2 requests: key (8, 0, 8)
@@ -663,20 +660,13 @@ def test_precapture_captures_every_token_bucket_with_mixed_graphs():
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.kinds import StepKind
 
-    class Builder:
-        def __init__(self) -> None:
-            self.planned = []
-
-        def plan_for(self, bucket, max_query_len=None) -> None:
-            self.planned.append((bucket, max_query_len))
-
     r, capture, mode_enum = _stepping_runner(warmup_steps=3)
     _mixed_graphs_on(r, token_buckets=(8, 16))
     graphs = r.moe_graphs.graphs
     graphs.config = dataclasses.replace(graphs.config, decode_batch_buckets=(2, 4),
                                         context_buckets=(2048,))
     r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, precapture=True)
-    builder = Builder()
+    builder = _PlanRecorder()
     r.moe_graphs.metadata_builders = [builder]
     calls = []
 
