@@ -477,20 +477,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: this checkout's packages, not installed ones
+        sys.path.insert(0, root)
     args = parse_args(argv)
-    try:
-        import torch
-    except ImportError as exc:
-        print(f"attn_kernels.py needs torch: {exc}", file=sys.stderr)
+    from benchmarks.sweep import torch_cuda_problem
+
+    if (problem := torch_cuda_problem("attn_kernels.py")) is not None:
+        print(problem, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("attn_kernels.py is a GPU benchmark: no CUDA device is visible "
-              "(torch.cuda.is_available() is False). Run it on the H200.", file=sys.stderr)
-        return 2
-    try:
-        import vllm_moe_graphs.ops  # noqa: F401
-    except ImportError:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     try:
         import vllm.v1.attention.ops.triton_unified_attention  # noqa: F401
     except Exception as exc:  # vLLM missing or built without CUDA

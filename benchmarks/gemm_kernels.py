@@ -294,14 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     if root not in sys.path:  # run as a script: this checkout's packages, not installed ones
         sys.path.insert(0, root)
     args = parse_args(argv)
-    try:
-        import torch
-    except ImportError as exc:
-        print(f"gemm_kernels.py needs torch: {exc}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("gemm_kernels.py is a GPU benchmark: no CUDA device is visible "
-              "(torch.cuda.is_available() is False). Run it on the H200.", file=sys.stderr)
+    from benchmarks.sweep import torch_cuda_problem
+
+    if (problem := torch_cuda_problem("gemm_kernels.py")) is not None:
+        print(problem, file=sys.stderr)
         return 2
     return run(args)
 

@@ -261,14 +261,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import torch
-    except ImportError as exc:
-        print(f"prefill_kernels.py needs torch: {exc}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("prefill_kernels.py is a GPU benchmark: no CUDA device is visible "
-              "(torch.cuda.is_available() is False). Run it on the H200.", file=sys.stderr)
+    from benchmarks.sweep import torch_cuda_problem
+
+    if (problem := torch_cuda_problem("prefill_kernels.py")) is not None:
+        print(problem, file=sys.stderr)
         return 2
     return run(args)
 

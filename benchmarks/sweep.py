@@ -42,6 +42,19 @@ KILL_GRACE_S = 5.0
 MIN_MEASURE_S = 10.0  # a mode starts only if its start-up estimate plus this fits the budget
 
 
+def torch_cuda_problem(script: str) -> str | None:
+    """Why the kernel benchmark `script` cannot run here (torch missing, no CUDA device), or
+    None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{script} needs torch: {exc}"
+    if not torch.cuda.is_available():
+        return (f"{script} is a GPU benchmark: no CUDA device is visible "
+                "(torch.cuda.is_available() is False). Run it on the H200.")
+    return None
+
+
 def gpu_problem() -> str | None:
     """Why no NVIDIA GPU is usable here, or None. Cheap: no torch, no vLLM, no CUDA init."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
