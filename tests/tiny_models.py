@@ -33,16 +33,17 @@ def build_tokenizer(path: str, vocab_size: int = 384) -> int:
     return len(fast)
 
 
-def build_checkpoint(path: str, moe: bool = False, seed: int = 0, head_dim: int = 32) -> str:
+def build_checkpoint(path: str, moe: bool = False, seed: int = 0, head_dim: int = 32,
+                     max_positions: int = 512) -> str:
     """Save a tiny Qwen3 (or Qwen3-MoE) checkpoint with tokenizer into `path` (head_dim 64 or
-    128 for one the plugin's attention kernels take)."""
+    128 for one the plugin's attention kernels take; `max_positions` its context length)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     os.makedirs(path, exist_ok=True)
     vocab = build_tokenizer(path)
     common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+                  num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=max_positions,
                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
     if moe:

@@ -65,9 +65,9 @@ if os.environ.get("MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE") == "1":
 
     _real_capture, _failed = DecodeGraphRunner._capture, []
 
-    def _failing_capture(self, key, forward):
+    def _failing_capture(self, key, forward, *args, **kwargs):
         if key.decode or _failed:
-            return _real_capture(self, key, forward)
+            return _real_capture(self, key, forward, *args, **kwargs)
         _failed.append(key)
 
         def syncing(batch):
@@ -75,7 +75,7 @@ if os.environ.get("MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE") == "1":
             torch.cuda.synchronize()
             return y
 
-        return _real_capture(self, key, syncing)
+        return _real_capture(self, key, syncing, *args, **kwargs)
 
     DecodeGraphRunner._capture = _failing_capture
 """
@@ -442,20 +442,21 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
     tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
     phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
-    tiny real checkpoint (512 positions): prompts scaled to 1/20 (the long ones ~220 tokens),
-    a 48-token step budget and 48 sequences so they still chunk, one arrival every step
-    (vLLM's scheduler on the CPU build, same prompts: 325 of 582 steps carry prefill
-    tokens)."""
+    tiny real checkpoint with 1280 positions: prompts scaled to 1/5 (the long ones 819-900
+    tokens), a 48-token step budget and 48 sequences so they still chunk, one arrival every
+    step (vLLM's scheduler on the CPU build with 16-token KV blocks, as on the GPU, same
+    prompts: 487 of 742 steps carry prefill tokens; at 1/20 and 512 positions it gave 251 of
+    568, as the H200 did)."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
         from tests.tiny_models import build_checkpoint
 
-        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64)
+        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64, max_positions=1280)
         vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
-        kwargs = _llm_kwargs(model, max_model_len=512, max_num_batched_tokens=48,
+        kwargs = _llm_kwargs(model, max_model_len=1280, max_num_batched_tokens=48,
                              max_num_seqs=48, **cfg)
-        prompts, redraw, every = mixed_prompts(vocab, scale=0.05), False, 1
+        prompts, redraw, every = mixed_prompts(vocab, scale=0.2), False, 1
     else:
         model, vocab = _shape_dir(tmp_path, shape)
         kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=4864,
