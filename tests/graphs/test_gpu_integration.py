@@ -533,12 +533,13 @@ def test_mixed_precapture_serves_mixed_traffic_without_capture(tmp_path):
 
 def test_mixed_traffic_faults_keep_output_identical(tmp_path):
     """mixed_graphs under faults, in one engine, the `run_mixed` traffic: the first capture of
-    a key with prefill tokens is invalidated by a host sync inside the region (quarantined),
-    the 8 MiB pool budget runs out and denies later captures, and the kill file is created
-    and removed every 24 steps. Token-identical to the kill-switch phase all the same: a
+    a key with prefill tokens is invalidated by a host sync inside the region (quarantined;
+    the first prompt's chunks make it the first key to reach its capture), the next capture
+    overruns the 1 MiB pool budget, which denies every later one, and the kill file is
+    created and removed every 24 steps. Token-identical to the kill-switch phase all the same: a
     fallback of a key runs at the key's shape, so no fault changes what a step computes."""
     summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults",
-                        {"graph_memory_budget_mib": 8}, {"toggle_kill_every": 24},
+                        {"graph_memory_budget_mib": 1}, {"toggle_kill_every": 24},
                         env_extra={"MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1"})
     report("faults-mixed", summary)
     (row,) = summary["rows"]
