@@ -536,8 +536,9 @@ def test_mixed_traffic_faults_keep_output_identical(tmp_path):
     a key with prefill tokens is invalidated by a host sync inside the region (quarantined;
     the first prompt's chunks make it the first key to reach its capture), the next capture
     overruns the 1 MiB pool budget, which denies every later one, and the kill file is
-    created and removed every 24 steps. Token-identical to the kill-switch phase all the same: a
-    fallback of a key runs at the key's shape, so no fault changes what a step computes."""
+    created and removed every 24 steps. Token-identical to the kill-switch phase all the
+    same: a fallback of a key runs at the key's shape, so no fault changes what a step
+    computes."""
     summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults",
                         {"graph_memory_budget_mib": 1}, {"toggle_kill_every": 24},
                         env_extra={"MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1"})
@@ -753,8 +754,9 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
     prompts chunk): 200 requests of 20-400 prompt tokens arriving over ~4 s; the first capture
     of a key with prefill tokens fails (quarantined), a 1 MiB pool budget denies every capture
     after the next one, and the kill file is created and removed twice under load. Zero failed
-    requests, each with all its tokens. (Token identity under faults is the in-process test's: a server's
-    batches depend on arrival timing, so two runs are not comparable token by token.)"""
+    requests, each with all its tokens. (Token identity under faults is the in-process test's:
+    a server's batches depend on arrival timing, so two runs are not comparable token by
+    token.)"""
     from tests.tiny_models import build_checkpoint
 
     path = build_checkpoint(str(tmp_path / "tiny-serve"), head_dim=64)
