@@ -127,8 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def token_bucket(tokens: int) -> int:
-    """The graph key's token bucket of a step (the default ladder: powers of two from 16)."""
-    return max(16, 1 << (tokens - 1).bit_length())
+    """The graph key's token bucket of a step under the default ladder (past its last
+    bucket, the step's own tokens)."""
+    from vllm_moe_graphs.config import TOKEN_BUCKETS
+    from vllm_moe_graphs.graphs.buckets import pick_bucket
+
+    return pick_bucket(tokens, TOKEN_BUCKETS) or tokens
 
 
 class Step:

@@ -78,10 +78,10 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.serve", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join([
-            "modes:", *(f"  {m.name:<14}{m.description}" for m in SERVE_MODES.values()), "",
-            "workloads:", *(f"  {w.name:<14}{w.description}" for w in WORKLOADS.values()), "",
+            "modes:", *(f"  {m.name:<20}{m.description}" for m in SERVE_MODES.values()), "",
+            "workloads:", *(f"  {w.name:<20}{w.description}" for w in WORKLOADS.values()), "",
             "default rates (req/s):",
-            *(f"  {m:<14}" + "; ".join(f"{w} {','.join(f'{r:g}' for r in rs)}"
+            *(f"  {m:<20}" + "; ".join(f"{w} {','.join(f'{r:g}' for r in rs)}"
                                        for w, rs in d.items()) for m, d in DEFAULT_RATES.items()),
             "", "merge: python -m benchmarks.serve merge A.json B.json ... --name NAME "
             "[--results-dir DIR]: rows of later files win on the same mode/workload/rate.",

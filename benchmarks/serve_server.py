@@ -54,12 +54,12 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "(VLLM_PLUGINS=)", args=("--attention-backend", "TRITON_ATTN"),
                   env={"VLLM_PLUGINS": ""}),
         ServeMode("plugin_mixed", "on request: `plugin` with mixed_graphs (steps with prefill "
-                  "tokens graphed too, experimental)",
+                  "tokens graphed too, experimental; they attend through FlashAttention 3, "
+                  "prefill_attention auto)",
                   args=_plugin_config(mixed_graphs=True), ready_estimate_s=60.0, default=False),
-        ServeMode("plugin_mixed_fa3", "on request: `plugin_mixed` with prefill_attention "
-                  "flash_attn (steps with prefill tokens attend through FlashAttention 3, "
-                  "experimental)",
-                  args=_plugin_config(mixed_graphs=True, prefill_attention="flash_attn"),
+        ServeMode("plugin_mixed_triton", "on request: `plugin_mixed` with prefill_attention "
+                  "triton (steps with prefill tokens attend through the plugin's kernel)",
+                  args=_plugin_config(mixed_graphs=True, prefill_attention="triton"),
                   ready_estimate_s=60.0, default=False),
     )
 }

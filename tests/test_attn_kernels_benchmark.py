@@ -39,8 +39,8 @@ def test_prefill_cases_parse_into_steps():
     mixed = parse_case("mixed:3@1024+100")
     assert mixed.requests == ((1, 1023),) * 3 + ((100, 0),)
     assert (mixed.tokens, mixed.max_query_len, mixed.max_seq_len) == (103, 100, 1024)
-    assert [token_bucket(n) for n in (1, 16, 17, 103, 4096, 5000)] == [16, 16, 32, 128, 4096,
-                                                                       8192]
+    assert [token_bucket(n) for n in (1, 16, 17, 103, 300, 4096, 5000, 9000)] == [
+        16, 16, 32, 128, 320, 4096, 5120, 9000]
     # causal FLOPs: one 2-token prompt sees 1 + 2 keys; 4 * keys * heads * head size
     assert parse_case("prefill:2").flops(1, 1) == 12.0
 

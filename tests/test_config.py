@@ -29,7 +29,8 @@ def test_parses_every_field():
     assert PluginConfig().mixed_graphs is False  # experimental: off unless asked for
     fa3 = PluginConfig.from_dict({"prefill_attention": "flash_attn"})
     assert fa3.prefill_attention == "flash_attn" and PluginConfig.from_dict(fa3.to_dict()) == fa3
-    assert PluginConfig().prefill_attention == "triton"
+    assert PluginConfig().prefill_attention == "auto"
+    assert PluginConfig.from_dict({"prefill_attention": "triton"}).prefill_attention == "triton"
 
 
 def test_frozen():
@@ -41,6 +42,17 @@ def test_default_buckets_sorted_and_positive():
     cfg = PluginConfig()
     for buckets in (cfg.decode_batch_buckets, cfg.context_buckets, cfg.token_buckets):
         assert list(buckets) == sorted(set(buckets)) and buckets[0] > 0
+
+
+def test_default_token_buckets_bound_the_padding():
+    """The default ladder covers `vllm serve`'s 8192-token step budget on the H200 and pads a
+    step of more than 256 tokens by less than a quarter, of more than 2048 by less than an
+    eighth (config.TOKEN_BUCKETS says why)."""
+    buckets = PluginConfig().token_buckets
+    assert buckets[0] == 16 and buckets[-1] == 8192
+    for lo, hi in zip(buckets, buckets[1:]):
+        waste = (hi - lo - 1) / hi  # a step of lo + 1 tokens pads to hi
+        assert waste < (0.5 if hi <= 256 else 0.25 if hi <= 2048 else 0.125), (lo, hi)
 
 
 @pytest.mark.parametrize("section,needles", [

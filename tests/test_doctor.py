@@ -154,3 +154,30 @@ def test_demo_reads_label_values_from_the_metrics_text():
     assert _series(text, "moe_graphs_eager_fallbacks_total") == [("mixed_batch", 3.0)]
     assert _series(text, "moe_graphs_replays_total") == [("", 13.0)]
     assert _series(text, "moe_graphs_replays_total", label="rank") == [("0", 13.0)]
+
+
+def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert "steps with prefill tokens: eager (mixed_graphs is off" in out
+    # the default asks for FlashAttention 3, which a CPU machine has not
+    assert ("their attention: the plugin's Triton kernel (prefill_attention auto: "
+            "FlashAttention 3 is not available on this machine: ") in out
+    code, out = _run(capsys, "qwen3-0.6b", "--additional-config",
+                     '{"moe_graphs": {"mixed_graphs": true, "token_buckets": [64, 512]}}')
+    assert ("steps with prefill tokens: graphed, one graph per query-token bucket (2 buckets, "
+            "64..512 tokens") in out
+
+
+@pytest.mark.parametrize("section,problem,kernel", [
+    ({}, None, "FlashAttention 3 (prefill_attention auto)"),
+    ({"prefill_attention": "flash_attn"}, None, "FlashAttention 3 (prefill_attention flash_attn)"),
+    ({"prefill_attention": "triton"}, None,
+     "the plugin's Triton kernel (prefill_attention triton)"),
+    ({"prefill_attention": "triton"}, "no GPU",
+     "the plugin's Triton kernel (prefill_attention triton)"),
+    ({"prefill_attention": "flash_attn"}, "no GPU", "the plugin's Triton kernel "
+     "(prefill_attention flash_attn: FlashAttention 3 is not available on this machine: no GPU)"),
+])
+def test_prefill_attention_line_follows_config_and_machine(section, problem, kernel):
+    lines = doctor.prefill_steps_lines({"moe_graphs": section}, problem)
+    assert lines[1] == f"  their attention: {kernel}", lines

@@ -198,9 +198,9 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert not [k for k in r if "_over_stock/" in k and not k.startswith("otps")]
     assert "plugin_mixed" in serve.SERVE_MODES and "plugin_mixed" not in serve.DEFAULT_MODES
     assert '"mixed_graphs": true' in " ".join(serve.SERVE_MODES["plugin_mixed"].args)
-    fa3 = " ".join(serve.SERVE_MODES["plugin_mixed_fa3"].args)
-    assert '"mixed_graphs": true' in fa3 and '"prefill_attention": "flash_attn"' in fa3
-    assert "plugin_mixed_fa3" not in serve.DEFAULT_MODES
+    triton = " ".join(serve.SERVE_MODES["plugin_mixed_triton"].args)
+    assert '"mixed_graphs": true' in triton and '"prefill_attention": "triton"' in triton
+    assert "plugin_mixed_triton" not in serve.DEFAULT_MODES
 
 
 def test_saturation_is_the_latency_knee():

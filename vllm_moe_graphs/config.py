@@ -15,6 +15,18 @@ from typing import Any
 
 CONFIG_KEY = "moe_graphs"
 
+# The default query-token buckets of steps with prefill tokens (`token_buckets`): powers of two
+# up to 256 tokens, where a step's time is launch-bound and padding costs little; four an octave
+# from 256 to 2048 and eight from 2048 to 8192, where a step's GPU time grows with its padded
+# tokens (a padded token is up to 25%, then 12.5%, of the step's work). Powers of two from 16 to
+# 8192 padded a fifth to a third of the tokens of such steps under the serving benchmark on the
+# H200, and one more key cost a capture of 0.1-0.4 s into the shared pool.
+TOKEN_BUCKETS: tuple[int, ...] = (
+    (16, 32, 64, 128)
+    + tuple(base * k // 4 for base in (256, 512, 1024) for k in range(4, 8))
+    + tuple(base * k // 8 for base in (2048, 4096) for k in range(8, 16))
+    + (8192,))
+
 
 class CaptureFailurePolicy(str, enum.Enum):
     """What a failed graph capture does."""
@@ -62,11 +74,14 @@ class PluginConfig:
     mixed_graphs: bool = False
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).
-    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    # Attention of steps with prefill tokens: "triton" (the plugin's varlen kernel) or
-    # "flash_attn" (experimental: vLLM's FlashAttention 3 varlen kernel with ahead-of-time
-    # scheduler metadata, where vLLM has it; else the plugin's, with a log line).
-    prefill_attention: str = "triton"
+    # Powers of two where a step is host-bound, then four and eight buckets an octave where
+    # its GPU time grows with the padded tokens (TOKEN_BUCKETS).
+    token_buckets: tuple[int, ...] = TOKEN_BUCKETS
+    # Attention of steps with prefill tokens: "auto" (FlashAttention 3 where vLLM has it, else
+    # the plugin's kernel), "flash_attn" (FA3; where it is absent, the plugin's kernel with a
+    # warning) or "triton" (the plugin's varlen kernel). FA3 runs with its schedule planned
+    # outside the graph (integration/attention/flash_attn.py).
+    prefill_attention: str = "auto"
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -147,7 +162,7 @@ def _buckets(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-PREFILL_ATTENTION = ("triton", "flash_attn")
+PREFILL_ATTENTION = ("auto", "triton", "flash_attn")
 
 
 def _prefill_attention(key: str, value: Any) -> str:

@@ -576,23 +576,27 @@ def test_context_bucket_from_plugin_config(tmp_path):
         builder.plan_for(None)
 
 
-def test_flash_attn_prefill_falls_back_to_ours_where_fa3_is_absent(tmp_path, caplog):
-    """prefill_attention flash_attn where vLLM's FA3 cannot run (here: no GPU): the builder
-    says why once and plans steps with prefill tokens for the plugin's kernel."""
+@pytest.mark.parametrize("choice,level", [("flash_attn", "WARNING"), ("auto", "INFO")])
+def test_flash_attn_prefill_falls_back_to_ours_where_fa3_is_absent(tmp_path, caplog, choice,
+                                                                   level):
+    """prefill_attention flash_attn, or the default auto, where vLLM's FA3 cannot run (here:
+    no GPU): the builder says why once (a warning when FA3 was asked for by name) and plans
+    steps with prefill tokens for the plugin's kernel."""
     import logging
 
     from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_problem
 
     assert flash_attn_problem()  # no FA3 on a CPU machine
     device = torch.device("cpu")
-    cfg = _vllm_config(tmp_path, device, moe_graphs={"prefill_attention": "flash_attn"})
+    cfg = _vllm_config(tmp_path, device, moe_graphs={"prefill_attention": choice})
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
                              head_size=HEAD_SIZE, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="vllm.moe_graphs"):
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         builder = MoeGraphsMetadataBuilder(spec, [LAYER], cfg, device)
     assert builder.flash_attn is None
-    assert any("prefill_attention flash_attn is not available (" in r.getMessage()
-               and "use the plugin's kernel" in r.getMessage() for r in caplog.records)
+    said = [r for r in caplog.records if f"prefill_attention {choice}: FlashAttention 3 is "
+            "not available (" in r.getMessage() and "use the plugin's kernel" in r.getMessage()]
+    assert [r.levelname for r in said] == [level], caplog.records
     assert "fa3_schedule" not in builder.persistent_buffers()
 
 

@@ -56,15 +56,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
-    """Parse `MODEL [engine args]`; return (model, report, flags doctor did not read). The
-    arguments are parsed before vLLM is imported, so `--help` and usage errors answer at once."""
+def prefill_steps_lines(additional_config: dict | None, fa3_problem: str | None) -> list[str]:
+    """How steps that carry prefill tokens will run under this plugin config: graphed or eager,
+    and which attention kernel they take (`fa3_problem`: why vLLM's FlashAttention 3 cannot run
+    on this machine, None when it can)."""
+    from vllm_moe_graphs.config import PluginConfig
+
+    cfg = PluginConfig.from_additional_config(additional_config)
+    buckets = cfg.token_buckets
+    if cfg.mixed_graphs:
+        how = (f"graphed, one graph per query-token bucket ({len(buckets)} buckets, "
+               f"{buckets[0]}..{buckets[-1]} tokens, fitted to --max-num-batched-tokens at "
+               "start-up; larger steps eager)")
+    else:
+        how = ("eager (mixed_graphs is off; --additional-config "
+               "'{\"moe_graphs\": {\"mixed_graphs\": true}}' graphs them, experimental)")
+    choice = cfg.prefill_attention
+    if choice == "triton":
+        kernel = "the plugin's Triton kernel (prefill_attention triton)"
+    elif fa3_problem is None:
+        kernel = f"FlashAttention 3 (prefill_attention {choice})"
+    else:
+        kernel = (f"the plugin's Triton kernel (prefill_attention {choice}: FlashAttention 3 "
+                  f"is not available on this machine: {fa3_problem})")
+    return [f"steps with prefill tokens: {how}", f"  their attention: {kernel}"]
+
+
+def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], list[str]]:
+    """Parse `MODEL [engine args]`; return (model, report, the lines on steps with prefill
+    tokens, flags doctor did not read). The arguments are parsed before vLLM is imported, so
+    `--help` and usage errors answer at once."""
     args, unread = build_parser().parse_known_args(argv)
 
     from vllm import EngineArgs
 
+    from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_problem
     from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
     from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
+
+    prefill = prefill_steps_lines(args.additional_config, flash_attn_problem())
 
     model = resolve_model(args.model_or_config_dir)
     hf = read_hf_config(model)
@@ -72,12 +102,12 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str]]:
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    return model, config_capability(facts_from_engine_args(engine_args, hf)), unread
+    return model, config_capability(facts_from_engine_args(engine_args, hf)), prefill, unread
 
 
 def main(argv: list[str]) -> int:
     try:
-        model, report, unread = report_for(argv)
+        model, report, prefill, unread = report_for(argv)
     except ValueError as exc:
         print(f"moe-graphs doctor: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -91,4 +121,6 @@ def main(argv: list[str]) -> int:
     if report.eligible:
         print("runtime proofs (KV storage bound, one owner, same device, per-layer KV write) are "
               "checked when the engine starts; see moe_graphs_capability on /metrics")
+    for line in prefill:
+        print(line)
     return EXIT_ELIGIBLE if report.eligible else EXIT_NOT_ELIGIBLE

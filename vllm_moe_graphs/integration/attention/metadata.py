@@ -139,17 +139,18 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         self._planned_context: int | None = None
         self._planned_query_len: int | None = None
         self.flash_attn: FlashAttnPrefill | None = None
-        if plugin.prefill_attention == "flash_attn":
+        choice = plugin.prefill_attention
+        if choice != "triton":  # "auto" or "flash_attn"
             if (problem := flash_attn_problem()) is None:
                 self.flash_attn = FlashAttnPrefill(
                     vllm_config, self.num_heads_q, self.num_heads_kv, self.head_size,
                     self.block_size, self.max_num_reqs, torch.device(device))
                 logger.info("moe_graphs: steps with prefill tokens use FlashAttention 3 "
-                            "(prefill_attention flash_attn)")
+                            "(prefill_attention %s)", choice)
             else:
-                logger.warning("moe_graphs: prefill_attention flash_attn is not available "
-                               "(%s); steps with prefill tokens use the plugin's kernel",
-                               problem)
+                log = logger.warning if choice == "flash_attn" else logger.info
+                log("moe_graphs: prefill_attention %s: FlashAttention 3 is not available "
+                    "(%s); steps with prefill tokens use the plugin's kernel", choice, problem)
 
     # ------------------------------------------------------------------------- plan
 
