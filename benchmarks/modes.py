@@ -180,6 +180,15 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
+            "plugin_graphs_mixed",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with mixed_graphs on: steps with prefill tokens graphed too, lazily "
+            "(on request; what it adds to start-up is what the start-up benchmark measures)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_graphs_cublas",
             Family.PLUGIN,
             True,
