@@ -437,26 +437,35 @@ def mixed_prompts(vocab: int, scale: float = 1.0) -> list[list[int]]:
     return prompts
 
 
+# The tiny checkpoint's staggered mixed workload (`run_mixed`): sized so that most of its steps
+# carry prefill tokens with 16-token KV blocks (checked on the CPU build by
+# tests/graphs/test_mixed_workload_schedule.py).
+TINY_MIXED = {"max_positions": 1280, "scale": 0.2, "max_num_batched_tokens": 48,
+              "max_num_seqs": 48, "arrive_every": 1}
+
+
 def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict | None = None,
               **spec_extra) -> dict:
     """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
     tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
     phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
-    tiny real checkpoint with 1280 positions: prompts scaled to 1/5 (the long ones 819-900
-    tokens), a 48-token step budget and 48 sequences so they still chunk, one arrival every
-    step (vLLM's scheduler on the CPU build with 16-token KV blocks, as on the GPU, same
-    prompts: 487 of 742 steps carry prefill tokens; at 1/20 and 512 positions it gave 251 of
-    568, as the H200 did)."""
+    tiny real checkpoint with 1280 positions (`TINY_MIXED`): prompts scaled to 1/5 (the long
+    ones 819-900 tokens), a 48-token step budget and 48 sequences so they still chunk, one
+    arrival every step."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
         from tests.tiny_models import build_checkpoint
 
-        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64, max_positions=1280)
+        w = TINY_MIXED
+        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64,
+                                 max_positions=w["max_positions"])
         vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
-        kwargs = _llm_kwargs(model, max_model_len=1280, max_num_batched_tokens=48,
-                             max_num_seqs=48, **cfg)
-        prompts, redraw, every = mixed_prompts(vocab, scale=0.2), False, 1
+        kwargs = _llm_kwargs(model, max_model_len=w["max_positions"],
+                             max_num_batched_tokens=w["max_num_batched_tokens"],
+                             max_num_seqs=w["max_num_seqs"], **cfg)
+        prompts, redraw = mixed_prompts(vocab, scale=w["scale"]), False
+        every = w["arrive_every"]
     else:
         model, vocab = _shape_dir(tmp_path, shape)
         kwargs = _llm_kwargs(model, load_format="dummy", max_model_len=4864,
