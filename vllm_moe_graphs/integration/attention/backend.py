@@ -260,7 +260,7 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
                 num_splits=md.num_splits,
                 workspace=md.workspace,
             )
-        elif md.fa3_schedule is not None:  # prefill_attention flash_attn
+        elif md.fa3_schedule is not None:  # FlashAttention 3 (prefill_attention auto/flash_attn)
             tokens = md.num_actual_tokens
             flash_attn_prefill(output[:tokens], query[:tokens], key_cache, value_cache, md,
                                self.scale)

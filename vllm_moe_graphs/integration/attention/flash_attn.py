@@ -1,5 +1,5 @@
-"""FlashAttention 3 for the attention of steps with prefill tokens (`prefill_attention:
-flash_attn`, experimental), through vLLM 0.26's own build (`vllm.vllm_flash_attn`).
+"""FlashAttention 3 for the attention of steps with prefill tokens (`prefill_attention`
+"auto", the default, or "flash_attn"), through vLLM 0.26's own build (`vllm.vllm_flash_attn`).
 
 Called as vLLM's `FlashAttentionImpl.forward` calls it under full CUDA graphs: the varlen
 kernel over the paged cache (`block_table`, `seqused_k`), with scheduler metadata computed ahead

@@ -20,9 +20,9 @@ runner, vLLM's own capture) keeps the copies.
 
 Kernel choice (host ints only): `max_query_len == 1` -> paged_decode_attention over B rows, with
 `num_splits` a pure function of (B, context bucket, kv heads, SM count); any other batch ->
-paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too), or with
-`prefill_attention: flash_attn` FlashAttention 3's varlen kernel, its schedule planned here
-(`flash_attn.py`).
+paged_prefill_attention over all T tokens (it handles q_len 1 and q_len 0 rows too), or, where
+vLLM has it and `prefill_attention` is "auto" (the default) or "flash_attn", FlashAttention 3's
+varlen kernel, its schedule planned here (`flash_attn.py`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class MoeGraphsAttentionMetadata:
     context_bucket: int  # longest context `num_splits` was planned for
     num_splits: int  # S of the decode kernel (1: no split, no workspace)
     workspace: torch.Tensor | None  # [B, Hq, S, D + 2] float32 when num_splits > 1
-    # prefill_attention flash_attn, a step with prefill tokens: FA3's schedule (a view of the
+    # FA3 for a step with prefill tokens (prefill_attention): its schedule (a view of the
     # builder's persistent buffer), split count and max_seqlen_k; None: the plugin's kernel
     fa3_schedule: torch.Tensor | None = None
     fa3_splits: int = 0
