@@ -167,7 +167,8 @@ MODES: dict[str, Mode] = {
             "plugin_graphs",
             Family.PLUGIN,
             True,
-            "vllm_moe_graphs decode CUDA graphs (kwargs from the plugin's hook)",
+            "vllm_moe_graphs CUDA graphs, its defaults: decode, prefill and mixed steps graphed "
+            "(kwargs from the plugin's hook)",
             startup_estimate_s=45.0,
         ),
         Mode(
@@ -180,11 +181,11 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
-            "plugin_graphs_mixed",
+            "plugin_graphs_decode_only",
             Family.PLUGIN,
             True,
-            "plugin_graphs with mixed_graphs on: steps with prefill tokens graphed too, lazily "
-            "(on request; what it adds to start-up is what the start-up benchmark measures)",
+            "plugin_graphs with mixed_graphs off: steps with prefill tokens eager, only pure "
+            "decode graphed (on request)",
             startup_estimate_s=45.0,
             diagnostic=True,
         ),

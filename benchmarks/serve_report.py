@@ -44,7 +44,7 @@ def _stat(row: Mapping[str, Any], field: str, stat: str) -> float | None:
 
 def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Every ratio between a plugin mode and each other mode at the same model, workload and
-    rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_mixed`)
+    rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_decode_only`)
     the stock modes and `plugin`."""
     by_point: dict[tuple[str, str, float], dict[str, Mapping[str, Any]]] = {}
     for row in rows:

@@ -45,21 +45,22 @@ def _plugin_config(**settings: Any) -> tuple[str, ...]:
 SERVE_MODES: dict[str, ServeMode] = {
     m.name: m
     for m in (
-        ServeMode("plugin", "plain `vllm serve` with vllm_moe_graphs installed: the plugin takes "
-                  "decode graphs over", ready_estimate_s=60.0),
+        ServeMode("plugin", "plain `vllm serve` with vllm_moe_graphs installed: the plugin "
+                  "replays every step from its graphs (decode, prefill and mixed; steps with "
+                  "prefill tokens attend through FlashAttention 3, prefill_attention auto)",
+                  ready_estimate_s=60.0),
         ServeMode("stock", "stock vLLM as an H200 user runs it (VLLM_PLUGINS=): its default "
                   "attention backend (FLASH_ATTN, FlashAttention 3), FULL_AND_PIECEWISE graphs, "
                   "torch.compile", env={"VLLM_PLUGINS": ""}),
         ServeMode("stock_triton", "stock vLLM with --attention-backend TRITON_ATTN "
                   "(VLLM_PLUGINS=)", args=("--attention-backend", "TRITON_ATTN"),
                   env={"VLLM_PLUGINS": ""}),
-        ServeMode("plugin_mixed", "on request: `plugin` with mixed_graphs (steps with prefill "
-                  "tokens graphed too, experimental; they attend through FlashAttention 3, "
-                  "prefill_attention auto)",
-                  args=_plugin_config(mixed_graphs=True), ready_estimate_s=60.0, default=False),
-        ServeMode("plugin_mixed_triton", "on request: `plugin_mixed` with prefill_attention "
-                  "triton (steps with prefill tokens attend through the plugin's kernel)",
-                  args=_plugin_config(mixed_graphs=True, prefill_attention="triton"),
+        ServeMode("plugin_decode_only", "on request: `plugin` with mixed_graphs false (only "
+                  "pure-decode steps graphed, steps with prefill tokens eager)",
+                  args=_plugin_config(mixed_graphs=False), ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
+                  "(steps with prefill tokens attend through the plugin's kernel)",
+                  args=_plugin_config(prefill_attention="triton"),
                   ready_estimate_s=60.0, default=False),
     )
 }

@@ -26,7 +26,8 @@ def test_parses_every_field():
     mixed = PluginConfig.from_dict({"mixed_graphs": True, "token_buckets": [64, 512, 8192]})
     assert mixed.mixed_graphs is True and mixed.token_buckets == (64, 512, 8192)
     assert PluginConfig.from_dict(mixed.to_dict()) == mixed
-    assert PluginConfig().mixed_graphs is False  # experimental: off unless asked for
+    assert PluginConfig().mixed_graphs is True  # every step kind graphed by default
+    assert PluginConfig.from_dict({"mixed_graphs": False}).mixed_graphs is False
     fa3 = PluginConfig.from_dict({"prefill_attention": "flash_attn"})
     assert fa3.prefill_attention == "flash_attn" and PluginConfig.from_dict(fa3.to_dict()) == fa3
     assert PluginConfig().prefill_attention == "auto"

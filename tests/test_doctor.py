@@ -158,14 +158,18 @@ def test_demo_reads_label_values_from_the_metrics_text():
 
 def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
     code, out = _run(capsys, "qwen3-0.6b")
-    assert "steps with prefill tokens: eager (mixed_graphs is off" in out
+    assert ("steps with prefill tokens: graphed, one graph per query-token bucket (33 buckets, "
+            "16..8192 tokens") in out
     # the default asks for FlashAttention 3, which a CPU machine has not
     assert ("their attention: the plugin's Triton kernel (prefill_attention auto: "
             "FlashAttention 3 is not available on this machine: ") in out
     code, out = _run(capsys, "qwen3-0.6b", "--additional-config",
-                     '{"moe_graphs": {"mixed_graphs": true, "token_buckets": [64, 512]}}')
+                     '{"moe_graphs": {"token_buckets": [64, 512]}}')
     assert ("steps with prefill tokens: graphed, one graph per query-token bucket (2 buckets, "
             "64..512 tokens") in out
+    code, out = _run(capsys, "qwen3-0.6b", "--additional-config",
+                     '{"moe_graphs": {"mixed_graphs": false}}')
+    assert "steps with prefill tokens: eager (mixed_graphs is off" in out
 
 
 @pytest.mark.parametrize("section,problem,kernel", [

@@ -88,7 +88,7 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     diagnostic = {m for m, mode in MODES.items() if mode.diagnostic}
     assert diagnostic == {"stock_full_decode_nc_v1", "plugin_backend_vllm_graphs",
                           "plugin_graphs_experimental", "plugin_graphs_cublas",
-                          "plugin_graphs_mixed"}
+                          "plugin_graphs_decode_only"}
     assert not diagnostic & set(DEFAULT_MODES) and not diagnostic & set(STOCK_GRAPH_MODES)
     experimental = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_experimental")
     cfg = PluginConfig.from_additional_config(experimental["additional_config"])
@@ -96,9 +96,9 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     cublas = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_cublas")
     cfg = PluginConfig.from_additional_config(cublas["additional_config"])
     assert cfg.small_m_gemm is False and cfg.fuse_qk_norm_rope is False and cfg.enabled
-    mixed = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_mixed")
-    cfg = PluginConfig.from_additional_config(mixed["additional_config"])
-    assert cfg.mixed_graphs is True and cfg.enabled and cfg == PluginConfig(mixed_graphs=True)
+    decode_only = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_decode_only")
+    cfg = PluginConfig.from_additional_config(decode_only["additional_config"])
+    assert cfg.mixed_graphs is False and cfg.enabled and cfg == PluginConfig(mixed_graphs=False)
     for name in ("stock_full_decode_nc_v1", "plugin_backend_vllm_graphs"):
         env = MODES[name].worker_env()
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"

@@ -187,20 +187,24 @@ def test_ratio_keys_and_direction():
 
 def test_a_second_plugin_mode_gets_its_own_ratios():
     rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0),
-            _row("plugin_mixed", 16, 25.0, 1.25, 3100.0)]
+            _row("plugin_decode_only", 16, 25.0, 1.25, 3100.0)]
     r = serve_report.compute_ratios(rows)
-    assert r["ttft_p50_stock_over_plugin_mixed/m/chat/r16"] == 2.0
-    assert r["tpot_p50_plugin_over_plugin_mixed/m/chat/r16"] == 1.6
+    assert r["ttft_p50_stock_over_plugin_decode_only/m/chat/r16"] == 2.0
+    assert r["tpot_p50_plugin_over_plugin_decode_only/m/chat/r16"] == 1.6
     assert r["ttft_p50_stock_over_plugin/m/chat/r16"] == 1.25
-    assert r["otps_plugin_mixed_over_plugin/m/chat/r16"] == pytest.approx(3100 / 3000, abs=1e-3)
+    assert r["otps_plugin_decode_only_over_plugin/m/chat/r16"] == pytest.approx(3100 / 3000,
+                                                                                abs=1e-3)
     # times: the other mode's over the plugin mode's; never plugin over itself or reversed
-    assert not [k for k in r if "_plugin_mixed_over_plugin/" in k and not k.startswith("otps")]
+    assert not [k for k in r
+                if "_plugin_decode_only_over_plugin/" in k and not k.startswith("otps")]
     assert not [k for k in r if "_over_stock/" in k and not k.startswith("otps")]
-    assert "plugin_mixed" in serve.SERVE_MODES and "plugin_mixed" not in serve.DEFAULT_MODES
-    assert '"mixed_graphs": true' in " ".join(serve.SERVE_MODES["plugin_mixed"].args)
-    triton = " ".join(serve.SERVE_MODES["plugin_mixed_triton"].args)
-    assert '"mixed_graphs": true' in triton and '"prefill_attention": "triton"' in triton
-    assert "plugin_mixed_triton" not in serve.DEFAULT_MODES
+    assert "plugin_decode_only" in serve.SERVE_MODES
+    assert "plugin_decode_only" not in serve.DEFAULT_MODES
+    assert '"mixed_graphs": false' in " ".join(serve.SERVE_MODES["plugin_decode_only"].args)
+    triton = " ".join(serve.SERVE_MODES["plugin_triton_prefill"].args)
+    assert '"prefill_attention": "triton"' in triton and "mixed_graphs" not in triton
+    assert not serve.SERVE_MODES["plugin"].args  # the plugin's defaults: every step graphed
+    assert "plugin_triton_prefill" not in serve.DEFAULT_MODES
 
 
 def test_saturation_is_the_latency_knee():

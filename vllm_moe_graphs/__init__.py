@@ -14,7 +14,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
     "plugin_graphs": {},
     "plugin_graphs_experimental": {"small_m_gemm": True, "fuse_qk_norm_rope": True},
     "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
-    "plugin_graphs_mixed": {"mixed_graphs": True},
+    "plugin_graphs_decode_only": {"mixed_graphs": False},
 }
 
 
@@ -29,8 +29,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     `plugin_graphs` with the small-M GEMM on every eligible linear layer (the default, "auto",
     takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
     the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
-    `plugin_graphs_mixed`: `plugin_graphs` with `mixed_graphs` on (steps with prefill tokens
-    graphed too; for the start-up benchmark).
+    `plugin_graphs_decode_only`: `plugin_graphs` with `mixed_graphs` off (steps with prefill
+    tokens eager, only pure decode graphed).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

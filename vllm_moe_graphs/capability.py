@@ -76,8 +76,8 @@ REMEDY: dict[Reason, str] = {
     Reason.DEVICE_MISMATCH: "model, KV cache and runner must be on the same GPU",
     Reason.UNPROVEN: "a safety proof was never supplied; this is a plugin bug, please report it",
     Reason.KILL_SWITCH: "remove the file named by MOE_GRAPHS_KILL_FILE to resume graph replay",
-    Reason.MIXED_BATCH: "steps with prefill tokens run eager unless mixed_graphs is true "
-    "(experimental, off by default)",
+    Reason.MIXED_BATCH: "steps with prefill tokens run eager because mixed_graphs is false; "
+    "set it true (the default) to graph them",
     Reason.STEP_TOO_LARGE: "raise the largest token_buckets entry to cover this step's query "
     "tokens (mixed_graphs)",
     Reason.CASCADE_ATTENTION: "vLLM chose cascade attention for a long shared prefix; such steps "

@@ -68,10 +68,10 @@ class PluginConfig:
     # for pure-decode batch buckets up to 64 rows (needs fast_decode_inputs); false: vLLM
     # computes the logits after the forward.
     logits_in_graph: bool = True
-    # Experimental: steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed
-    # from graphs too, one per query-token bucket (requests padded to min(token bucket, the
-    # largest decode batch bucket)); false: they run eager (`mixed_batch`).
-    mixed_graphs: bool = False
+    # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs
+    # too, one per query-token bucket (requests padded to min(token bucket, the largest decode
+    # batch bucket)); false: they run eager (`mixed_batch`) and only pure decode is graphed.
+    mixed_graphs: bool = True
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).
     # Powers of two where a step is host-bound, then four and eight buckets an octave where

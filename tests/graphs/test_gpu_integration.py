@@ -641,7 +641,8 @@ def test_precapture_serves_from_start_up_graphs(tmp_path):
     assert planned is not None, logs
     keys = int(re.search(r"pre-capturing (\d+) graphs", planned).group(1))
     assert any(f"pre-captured {keys}/{keys}" in ln for ln in logs), logs
-    # max_num_seqs 64, max_model_len 512: batch buckets up to 64, one context bucket (512)
+    # max_num_seqs 64, max_model_len 512: batch buckets up to 64, one context bucket (512),
+    # and (mixed_graphs, the default) the token buckets fitted to max_num_batched_tokens
     assert summary["startup_captures"] == keys and summary["captures"] == keys, summary
     assert summary["startup_pool_bytes"] > 0, summary
     assert_parity(summary)
@@ -653,10 +654,11 @@ def test_capture_failure_and_memory_budget_keep_serving(tmp_path):
     # batch 1's capture then fills the 1 MiB budget, so batch 2 is denied with memory_budget.
     # Each with graphs, then the same with the kill file; last, batch 8 again with random
     # sampling, which draws from the CUDA generator the failed capture had left marked as
-    # capturing (the runner resets it: sampling must not raise).
+    # capturing (the runner resets it: sampling must not raise). Decode keys only (mixed_graphs
+    # off): the faults of keys with prefill tokens are test_mixed_traffic_faults_*.
     phases = [{"batch": b, "kill": k} for b in (8, 1, 2) for k in (False, True)]
     phases.append({"batch": 8, "kill": False, "temperature": 1.0})
-    cfg = {"moe_graphs": {"graph_memory_budget_mib": 1}}
+    cfg = {"moe_graphs": {"graph_memory_budget_mib": 1, "mixed_graphs": False}}
     result = run_engine(tmp_path, "faults", _llm_kwargs(model, load_format="dummy",
                                                         additional_config=cfg),
                         _prompts(vocab, 16), phases, max_tokens=64, fail_capture_bucket=8)

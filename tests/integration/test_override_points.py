@@ -286,6 +286,9 @@ def test_our_runner_attributes_do_not_collide_with_vllm():
 
 # -- the per-step path: vLLM's own _determine_batch_execution_and_padding body runs under ours.
 def _stepping_runner(warmup_steps: int = 1):
+    """A runner stepping the toy model with decode graphs only (mixed_graphs off; the mixed
+    tests turn it on with `_mixed_graphs_on`)."""
+    import dataclasses
     import types
 
     import torch
@@ -312,7 +315,9 @@ def _stepping_runner(warmup_steps: int = 1):
     r.optimistic_seq_lens_cpu = torch.zeros(8, dtype=torch.int32)
     r.model = lambda input_ids, **_: input_ids.float()[:, None] * 2  # [T, 1]
     capture = Emulated()
-    r.moe_graphs.graphs = DecodeGraphRunner(None, PluginConfig(warmup_steps=warmup_steps),
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, mixed_graphs=False)
+    r.moe_graphs.graphs = DecodeGraphRunner(None, PluginConfig(warmup_steps=warmup_steps,
+                                                               mixed_graphs=False),
                                             storage=r.moe_graphs.storage, capture_fn=capture,
                                             new_pool=object)
     return r, capture, CUDAGraphMode
@@ -533,7 +538,7 @@ def test_mixed_graphs_off_and_cascade_attention_run_eager():
     from vllm_moe_graphs.capability import Reason
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
-    mode, desc, out = _step(r, 2, [5, 1])  # the default: mixed steps eager, mixed_batch
+    mode, desc, out = _step(r, 2, [5, 1])  # mixed_graphs off: mixed steps eager, mixed_batch
     assert mode is mode_enum.NONE and out.shape == (6, 1)
     _mixed_graphs_on(r)
     with r.moe_graphs.step():  # vLLM chose cascade attention: eager whatever the kind

@@ -69,8 +69,8 @@ def prefill_steps_lines(additional_config: dict | None, fa3_problem: str | None)
                f"{buckets[0]}..{buckets[-1]} tokens, fitted to --max-num-batched-tokens at "
                "start-up; larger steps eager)")
     else:
-        how = ("eager (mixed_graphs is off; --additional-config "
-               "'{\"moe_graphs\": {\"mixed_graphs\": true}}' graphs them, experimental)")
+        how = ("eager (mixed_graphs is off; only pure-decode steps are graphed; remove "
+               "\"mixed_graphs\": false from --additional-config to graph them)")
     choice = cfg.prefill_attention
     if choice == "triton":
         kernel = "the plugin's Triton kernel (prefill_attention triton)"

@@ -210,8 +210,8 @@ class GraphLifecycle:
                         "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
                         list(config.context_buckets), c.warmup_steps, c.graph_memory_budget_mib)
             if c.mixed_graphs:
-                logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs, "
-                            "experimental): token buckets %s, requests padded to "
+                logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs): "
+                            "token buckets %s, requests padded to "
                             "min(token bucket, %d)", list(config.token_buckets),
                             config.decode_batch_buckets[-1])
         if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
