@@ -173,6 +173,11 @@ def run(
     spec: WorkerSpec, result: WorkerResult, save: Callable[[], None], allow_cpu: bool = False
 ) -> None:
     os.environ.update(spec.env)  # before vLLM reads its environment
+    prefill_counts, prefill_dir = None, os.environ.get("BENCH_PREFILL_PROFILE_DIR")
+    if os.environ.get("BENCH_PROFILE_PREFILL") and prefill_dir:
+        from benchmarks.profile_steps import prefill_token_counts
+
+        prefill_counts = prefill_token_counts(os.environ["BENCH_PROFILE_PREFILL"])  # fail early
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -250,6 +255,10 @@ def run(
         from benchmarks.profile_steps import profile_run
 
         profile_run(llm, spec, make_params, make_prompt, os.environ["BENCH_PROFILE_DIR"])
+    if prefill_counts and on_gpu:
+        from benchmarks.profile_steps import profile_prefill_run
+
+        profile_prefill_run(llm, spec, prefill_counts, make_params, make_prompt, prefill_dir)
     plugin = plugin_counters()
     if plugin is not None:
         # Lazy capture: the plugin's pool and capture time exist only after the points ran.

@@ -54,6 +54,25 @@ def test_decoding_driver_fails_when_decode_never_comes() -> None:
         d.until_decoding(limit=5)
 
 
+@pytest.mark.parametrize("budget,steps", [(8192, 1), (2048, 4)])
+def test_prefill_round_steps_every_prompt_to_its_one_token(budget: int, steps: int) -> None:
+    engine = _Engine(budget=budget, lag=False)
+    engine.prefill_sleep_s = 0.0
+    llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
+    wall, n_steps = profile_steps._prefill_round(
+        llm, 16, 512, 100, seed=3, make_params=lambda n: SimpleNamespace(max_tokens=n),
+        make_prompt=lambda ids: {"prompt_token_ids": ids})
+    # 16 x 512 = 8192 prompt tokens: one step when the budget holds them, else chunks
+    assert n_steps == steps and wall >= 0 and not engine.has_unfinished_requests()
+
+
+def test_prefill_token_counts_parse_or_say_what_is_wrong() -> None:
+    assert profile_steps.prefill_token_counts("2048, 8192") == [2048, 8192]
+    for bad in ("", "8k", "0", "1024,-1"):
+        with pytest.raises(ValueError, match="BENCH_PROFILE_PREFILL=.*positive token counts"):
+            profile_steps.prefill_token_counts(bad)
+
+
 def test_thread_report_per_step_busiest_first_and_marks_main() -> None:
     main = threading.main_thread().native_id
     before = {main: ("python3", 1_000, 0), 7: ("worker", 0, 0), 8: ("idle", 5, 5)}
