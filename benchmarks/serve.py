@@ -3,8 +3,8 @@ the plugin against stock vLLM, side by side in one run.
 
 For each mode (plugin, stock = the H200 default FLASH_ATTN, stock_triton) it starts `vllm serve`
 on a shipped Qwen3 shape with dummy weights and no tokenizer (prompts are token ids), waits for
-/health, warms up (the same warm-up in every mode: each workload at its highest rate for
---warmup-s), then offers each workload at each rate for --duration-s (Poisson arrivals, seeded:
+/health, warms up (the same warm-up in every mode: each workload for --warmup-s at each of its
+rates, or only its highest with --warmup-rates max), then offers each workload at each rate for --duration-s (Poisson arrivals, seeded:
 every mode gets the same requests), reads the engine's step counters from /metrics around each
 window, and stops the server. `moe_offload` runs on a second server of the mode with
 `--cpu-offload-gb N --cpu-offload-params experts`.
@@ -21,6 +21,7 @@ import multiprocessing
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-requests", type=int, default=24,
                     help="requests per window at least, whatever the rate (default: 24)")
     ap.add_argument("--warmup-s", type=float, default=4.0,
-                    help="warm-up per workload at its highest rate, seconds (default: 4)")
+                    help="warm-up per workload and warm-up rate, seconds (default: 4)")
+    ap.add_argument("--warmup-rates", choices=("all", "max"), default="all",
+                    help="warm each workload up at every rate it is measured at (all: the "
+                    "plugin's lazily captured graphs of each rate's step sizes are in place "
+                    "before anything is timed) or only at its highest (max) (default: all)")
     ap.add_argument("--drain-timeout-s", type=float, default=90.0,
                     help="after a window's last arrival, wait this long for its requests; "
                     "unfinished ones count as failed (default: 90)")
@@ -205,6 +210,11 @@ def _window_s(args: argparse.Namespace, rate: float) -> float:
     return max(args.duration_s, args.min_requests / rate) + 8.0
 
 
+def _warmup_rates(args: argparse.Namespace, rates: Sequence[float]) -> list[float]:
+    """The rates a workload is warmed up at, lowest first."""
+    return sorted(set(rates)) if args.warmup_rates == "all" else [max(rates)]
+
+
 def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
     """Rough wall time of one mode: each server's start-up, warm-ups and windows. Shares of
     --time-budget-s are weighted by it."""
@@ -213,7 +223,8 @@ def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
         cost += mode.ready_estimate_s + (OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0)
         for w, rates in plan.workloads:
             if w.server == server:
-                cost += args.warmup_s + 8.0 + sum(_window_s(args, r) for r in rates)
+                warmups = len(_warmup_rates(args, rates)) if args.warmup_s > 0 else 0
+                cost += warmups * (args.warmup_s + 8.0) + sum(_window_s(args, r) for r in rates)
     return cost
 
 
@@ -241,16 +252,17 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                      f"{'yes' if info['plugin'] else 'no'}")
             info["warmup"] = {}
             for w, rs in kind_workloads:
-                if args.warmup_s > 0:
-                    reqs = plan_window(w, max(rs), args.warmup_s, args.clients,
-                                       args.seed + 1000, plan.vocab_size)
+                for i, rate in enumerate(_warmup_rates(args, rs) if args.warmup_s > 0 else []):
+                    reqs = plan_window(w, rate, args.warmup_s, args.clients,
+                                       args.seed + 1000 + i, plan.vocab_size)
                     recs, wall = run_window(pool, args.clients, server.base_url, plan.model,
                                             reqs, args.drain_timeout_s)
-                    s = summarize(recs, max(rs))
-                    info["warmup"][w.name] = {"requests": s["requests"], "failed": s["failed"],
-                                              "wall_s": round(wall, 1)}
-                    _say(t0, f"{mode.name}: warm-up {w.name}: {s['completed']}/{s['requests']} "
-                             f"in {wall:.1f} s")
+                    s = summarize(recs, rate)
+                    info["warmup"].setdefault(w.name, []).append(
+                        {"rate": rate, "requests": s["requests"], "failed": s["failed"],
+                         "wall_s": round(wall, 1)})
+                    _say(t0, f"{mode.name}: warm-up {w.name} r{rate:g}: "
+                             f"{s['completed']}/{s['requests']} in {wall:.1f} s")
                 for rate in rs:
                     where = f"{mode.name}/{w.name}/r{rate:g}"
                     if deadline is not None and time.monotonic() + _window_s(args, rate) \

@@ -58,6 +58,9 @@ SERVE_MODES: dict[str, ServeMode] = {
         ServeMode("plugin_decode_only", "on request: `plugin` with mixed_graphs false (only "
                   "pure-decode steps graphed, steps with prefill tokens eager)",
                   args=_plugin_config(mixed_graphs=False), ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_precapture", "on request: `plugin` with precapture (every graph "
+                  "captured before the server is ready, none while serving)",
+                  args=_plugin_config(precapture=True), ready_estimate_s=70.0, default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   args=_plugin_config(prefill_attention="triton"),

@@ -205,6 +205,8 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert '"prefill_attention": "triton"' in triton and "mixed_graphs" not in triton
     assert not serve.SERVE_MODES["plugin"].args  # the plugin's defaults: every step graphed
     assert "plugin_triton_prefill" not in serve.DEFAULT_MODES
+    assert '"precapture": true' in " ".join(serve.SERVE_MODES["plugin_precapture"].args)
+    assert "plugin_precapture" not in serve.DEFAULT_MODES
 
 
 def test_saturation_is_the_latency_knee():
@@ -299,6 +301,9 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
     assert "replays" in by_mode[("plugin", 1)]["steps"]
     assert "replays" not in by_mode[("stock", 1)]["steps"]
     assert doc["modes"]["plugin"]["servers"]["default"]["plugin"]
+    for mode in ("plugin", "stock"):  # the same warm-up in every mode, at every measured rate
+        warmups = doc["modes"][mode]["servers"]["default"]["warmup"]["chat"]
+        assert [w["rate"] for w in warmups] == [1, 2] and not any(w["failed"] for w in warmups)
     assert doc["modes"]["stock"]["servers"]["default"]["plugin"] is None
     assert "ttft_p50_stock_over_plugin/tiny/chat/r2" in doc["ratios"] or any(
         k.startswith("ttft_p50_stock_over_plugin/") for k in doc["ratios"])
@@ -313,6 +318,13 @@ def test_time_budget_weights_modes_by_their_cost(tmp_path):
     plan = serve.Plan(args)
     plugin, stock = (serve.mode_cost_s(plan, serve.SERVE_MODES[m], args)
                      for m in ("plugin", "stock"))
-    windows = 3 * (args.warmup_s + 8) + sum(serve._window_s(args, r) for r in (4, 8, 1, 2))
+    # warm-ups at every measured rate by default: chat at 4 and 8, long at 1, moe_offload at 2
+    windows = 4 * (args.warmup_s + 8) + sum(serve._window_s(args, r) for r in (4, 8, 1, 2))
     assert plugin == pytest.approx(2 * 60 + serve.OFFLOAD_READY_EXTRA_S + windows)
     assert stock - plugin == pytest.approx(2 * 40)
+    args.warmup_rates = "max"  # one warm-up per workload, at its highest rate
+    assert serve.mode_cost_s(plan, serve.SERVE_MODES["plugin"], args) == pytest.approx(
+        plugin - (args.warmup_s + 8))
+    assert serve._warmup_rates(args, [8, 2, 4]) == [8]
+    args.warmup_rates = "all"
+    assert serve._warmup_rates(args, [8, 2, 4, 2]) == [2, 4, 8]
