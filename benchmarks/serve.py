@@ -6,8 +6,8 @@ on a shipped Qwen3 shape with dummy weights and no tokenizer (prompts are token 
 /health, warms up (the same warm-up in every mode: each workload for --warmup-s at each of its
 rates, or only its highest with --warmup-rates max), then offers each workload at each rate for
 --duration-s (Poisson arrivals, seeded: every mode gets the same requests), reads the engine's
-step counters from /metrics around each window, and stops the server. `moe_offload` runs on a second server of the mode with
-`--cpu-offload-gb N --cpu-offload-params experts`.
+step counters from /metrics around each window, and stops the server. `moe_offload` runs on a
+second server of the mode with `--cpu-offload-gb N --cpu-offload-params experts`.
 
 Results: <results-dir>/<name>.json (env, per-mode server facts, rows, ratios, saturation) and
 <name>.png; the table is printed last. See docs/benchmarking.md.
