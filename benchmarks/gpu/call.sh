@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# benchmarks/gpu/call.sh -- several GPU jobs in one device call, each with its share of the time.
+#
+#   TESTS_ARGS=tier SERVE_ARGS="--model qwen3-0.6b ..." bash benchmarks/gpu/call.sh
+#
+# Run from the repository root with the vLLM bundle carried (device call: carry [".gpu"]).
+# Each part runs only when its variable is set, in this order, under CALL_GUARD_S seconds in all
+# (default 575, under a 10-minute call):
+#   TESTS_ARGS      arguments of benchmarks/gpu/tests.sh (e.g. `tier`), guard TESTS_GUARD_S (450)
+#   KERNELS_STEPS   steps of benchmarks/gpu/kernels.sh, guard KERNELS_GUARD_S (150)
+#   DECODE_ARGS     arguments of benchmarks/gpu/run.sh (benchmarks.decode, or DECODE_MODULE, e.g.
+#                   benchmarks.startup), SKIP_PYTEST=1; keeps AFTER_DECODE_S (20) for what follows
+#   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serve
+# The benchmark parts get --time-budget-s from what is left. A device call brings back at most 8
+# files: each part's output folder comes back as one archive, $OUT/{tests,kernels,decode,serve}.tgz,
+# and the benchmarks' JSON and PNG files also as they are.
+set -uo pipefail
+T0=$(date +%s)
+GUARD_S=${CALL_GUARD_S:-575}
+FINAL=${OUT:-$PWD/out}
+WORK=$(mktemp -d /tmp/gpu-call-XXXX)
+mkdir -p "$FINAL"
+left() { echo $((GUARD_S - ($(date +%s) - T0))); }
+say() { echo "[call.sh +$(($(date +%s) - T0))s] $*"; }
+
+if [ -n "${TESTS_ARGS:-}" ]; then
+  mkdir -p "$WORK/tests"
+  # shellcheck disable=SC2086  # the arguments are a list
+  OUT=$WORK/tests RUN_GUARD_S=${TESTS_GUARD_S:-450} bash benchmarks/gpu/tests.sh $TESTS_ARGS 2>&1 \
+    | tail -30
+  grep -hE "^(PASSED|FAILED|ERROR) |[0-9]+ (passed|failed)" "$WORK"/tests/pytest*.txt | tail -80
+  say "tests done"
+fi
+if [ -n "${KERNELS_STEPS:-}" ]; then
+  mkdir -p "$WORK/kernels"
+  OUT=$WORK/kernels KERNELS_GUARD_S=${KERNELS_GUARD_S:-150} bash benchmarks/gpu/kernels.sh 2>&1 \
+    | tail -80
+  say "kernels done"
+fi
+if [ -n "${DECODE_ARGS:-}" ]; then
+  mkdir -p "$WORK/decode"
+  budget=$(( $(left) - ${AFTER_DECODE_S:-20} ))
+  if [ "$budget" -gt 90 ]; then
+    # shellcheck disable=SC2086
+    OUT=$WORK/decode RUN_GUARD_S=$budget BENCH_MODULE=${DECODE_MODULE:-benchmarks.decode} \
+      SKIP_PYTEST=1 bash benchmarks/gpu/run.sh $DECODE_ARGS --time-budget-s $((budget - 20)) 2>&1 \
+      | tail -40
+  else
+    say "decode skipped: ${budget}s left"
+  fi
+  say "decode done"
+fi
+if [ -n "${SERVE_ARGS:-}" ]; then
+  mkdir -p "$WORK/serve"
+  budget=$(( $(left) - 20 ))
+  # shellcheck disable=SC2086
+  OUT=$WORK/serve RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
+    bash benchmarks/gpu/run.sh $SERVE_ARGS --time-budget-s $((budget - 15)) 2>&1 | tail -60
+  say "serve done"
+fi
+for part in tests kernels decode serve; do
+  [ -d "$WORK/$part" ] && tar -czf "$FINAL/$part.tgz" -C "$WORK" "$part"
+done
+for part in decode serve; do
+  cp "$WORK/$part"/*.json "$WORK/$part"/*.png "$FINAL/" 2>/dev/null
+done
+say "done; files in $FINAL: $(cd "$FINAL" && ls | tr '\n' ' ')"
