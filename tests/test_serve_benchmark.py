@@ -209,6 +209,19 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert "plugin_precapture" not in serve.DEFAULT_MODES
 
 
+def test_every_plugin_mode_passes_a_valid_plugin_config():
+    from vllm_moe_graphs.config import PluginConfig
+
+    for name, mode in serve.SERVE_MODES.items():
+        args = list(mode.args)
+        if "--additional-config" not in args:
+            continue
+        cfg = PluginConfig.from_additional_config(
+            json.loads(args[args.index("--additional-config") + 1]))
+        assert name.startswith("plugin_") and cfg.enabled, name
+        assert cfg != PluginConfig(), f"{name} sets nothing the defaults do not"
+
+
 def test_saturation_is_the_latency_knee():
     rows = [_row("stock", 4, 30, 2, 800), _row("stock", 16, 35, 3, 3100),
             _row("stock", 32, 60, 8.5, 4000), _row("stock", 64, 900, 20, 4100),
