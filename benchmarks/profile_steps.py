@@ -240,6 +240,23 @@ class _PhaseTimers:
         return lines
 
 
+def _kernel_lines(avgs: Any, wall_ms: float, n: int, unit: str) -> list[str]:
+    """torch.profiler's GPU kernels over `n` steps or rounds taking `wall_ms` in all: the total
+    per `unit` and the top kernels."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in avgs if e.device_type == DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    lines = [f"torch.profiler: wall {wall_ms / n:.3f} ms/{unit}, GPU kernels "
+             f"{gpu_us / 1e3 / n:.3f} ms/{unit} ({launches / n:.0f} kernels/{unit}), "
+             f"GPU busy {100 * gpu_us / 1e3 / max(wall_ms, 1e-9):.0f}%",
+             f"top kernels (us per {unit}, count per {unit}):"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]:
+        lines.append(f"  {e.self_device_time_total / n:9.1f}  {e.count / n:6.1f}  {e.key[:110]}")
+    return lines
+
+
 def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
                   make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
                   label: str, pstats_path: str | None = None) -> str:
@@ -271,16 +288,7 @@ def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
         avgs = prof.key_averages()
-        kernels = [e for e in avgs if e.device_type == DeviceType.CUDA]
-        gpu_us = sum(e.self_device_time_total for e in kernels)
-        launches = sum(e.count for e in kernels)
-        lines.append(f"torch.profiler: wall {wall / steps:.3f} ms/step, GPU kernels "
-                     f"{gpu_us / 1e3 / steps:.3f} ms/step ({launches / steps:.0f} kernels/step), "
-                     f"GPU busy {100 * gpu_us / 1e3 / max(wall, 1e-9):.0f}%")
-        lines.append("top kernels (us per step, count per step):")
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]:
-            lines.append(f"  {e.self_device_time_total / steps:9.1f}  {e.count / steps:6.1f}  "
-                         f"{e.key[:110]}")
+        lines += _kernel_lines(avgs, wall, steps, "step")
         cpu = [e for e in avgs if e.device_type == DeviceType.CPU]
         lines.append("top host ranges/ops by CPU total (us per step, count per step):")
         for e in sorted(cpu, key=lambda e: -e.cpu_time_total)[:TOP_HOST_RANGES]:
@@ -370,7 +378,6 @@ def profile_prefill(llm: Any, tokens: int, context: int, vocab: int,
                     label: str, rounds: int = 6, warmup_rounds: int = 4) -> str:
     """The report for prefill steps of `tokens` query tokens (text)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     n = max(1, tokens // context)
@@ -396,15 +403,7 @@ def profile_prefill(llm: Any, tokens: int, context: int, vocab: int,
             seed += 1
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    gpu_us = sum(e.self_device_time_total for e in kernels)
-    lines.append(f"torch.profiler: wall {wall / rounds:.2f} ms/round, GPU kernels "
-                 f"{gpu_us / 1e3 / rounds:.2f} ms/round "
-                 f"({sum(e.count for e in kernels) / rounds:.0f} kernels/round)")
-    lines.append("top kernels (us per round, count per round):")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]:
-        lines.append(f"  {e.self_device_time_total / rounds:10.1f}  {e.count / rounds:6.1f}  "
-                     f"{e.key[:110]}")
+    lines += _kernel_lines(prof.key_averages(), wall, rounds, "round")
     return "\n".join(lines) + "\n"
 
 

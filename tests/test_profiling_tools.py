@@ -66,6 +66,19 @@ def test_prefill_round_steps_every_prompt_to_its_one_token(budget: int, steps: i
     assert n_steps == steps and wall >= 0 and not engine.has_unfinished_requests()
 
 
+def test_kernel_lines_sum_gpu_kernels_per_unit_and_rank_them() -> None:
+    from torch.autograd import DeviceType
+
+    ev = lambda key, us, n, dev=DeviceType.CUDA: SimpleNamespace(  # noqa: E731
+        key=key, self_device_time_total=us, count=n, device_type=dev)
+    avgs = [ev("small", 100.0, 4), ev("big", 900.0, 2), ev("host op", 5000.0, 9, DeviceType.CPU)]
+    lines = profile_steps._kernel_lines(avgs, wall_ms=4.0, n=2, unit="round")
+    assert lines[0] == ("torch.profiler: wall 2.000 ms/round, GPU kernels 0.500 ms/round "
+                        "(3 kernels/round), GPU busy 25%")
+    assert lines[1] == "top kernels (us per round, count per round):"
+    assert [ln.split()[-1] for ln in lines[2:]] == ["big", "small"]  # no host op, largest first
+
+
 def test_prefill_token_counts_parse_or_say_what_is_wrong() -> None:
     assert profile_steps.prefill_token_counts("2048, 8192") == [2048, 8192]
     for bad in ("", "8k", "0", "1024,-1"):
