@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from typing import Any
 
 from benchmarks import plot, report, sweep
 from benchmarks.modes import DEFAULT_MODES, MODES, parse_modes
+from benchmarks.profile_steps import prefill_token_counts
 from benchmarks.protocol import (
     merge_rounds,
     spec_to_json,
@@ -224,6 +226,9 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.num_layers is not None and args.num_layers < 1:
         raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if os.environ.get("BENCH_PROFILE_PREFILL"):
+        prefill_token_counts(os.environ["BENCH_PROFILE_PREFILL"], args.contexts[0],
+                             max(args.batches))
     if args.time_budget_s is not None and args.time_budget_s <= sweep.RESERVE_S:
         raise ValueError(
             f"--time-budget-s must exceed {sweep.RESERVE_S:.0f} s, got {args.time_budget_s}"

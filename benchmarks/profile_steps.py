@@ -429,8 +429,12 @@ def profile_prefill_run(llm: Any, spec: Any, tokens: list[int],
     return path
 
 
-def prefill_token_counts(raw: str) -> list[int]:
-    """`BENCH_PROFILE_PREFILL`'s value: comma-separated positive token counts."""
+def prefill_token_counts(raw: str, context: int | None = None,
+                         max_num_seqs: int | None = None) -> list[int]:
+    """`BENCH_PROFILE_PREFILL`'s value: comma-separated positive token counts. With the run's
+    first context and max_num_seqs (its largest batch), each count's T // context prompts must
+    fit one step: with fewer sequences allowed the engine prefills them one by one, and the
+    report would be of steps of `context` tokens."""
     try:
         counts = [int(x) for x in raw.split(",") if x.strip()]
     except ValueError:
@@ -438,4 +442,12 @@ def prefill_token_counts(raw: str) -> list[int]:
     if not counts or min(counts) <= 0:
         raise ValueError(f"BENCH_PROFILE_PREFILL={raw!r}: expected positive token counts "
                          "separated by commas, e.g. BENCH_PROFILE_PREFILL=2048,8192")
+    if context and max_num_seqs:
+        need = max(max(1, t // context) for t in counts)
+        if need > max_num_seqs:
+            raise ValueError(
+                f"BENCH_PROFILE_PREFILL={raw!r} at context {context} prefills {need} prompts in "
+                f"one step, but the largest --batches value caps max_num_seqs at {max_num_seqs}: "
+                f"the engine would prefill them one at a time. Add a batch of at least {need} "
+                f"(e.g. --batches 1,{need}) or raise --contexts")
     return counts

@@ -4,7 +4,7 @@ printed table, the result file's schema and the plot (matplotlib, imported lazil
 Ratio keys: `<metric>_<A>_over_<B>/<model>/<workload>/r<rate>`, time of A over time of B (> 1
 means B is faster), for metric in RATIO_METRICS with B = plugin and A each stock mode; and
 `otps_plugin_over_<A>/...`, output tokens/s of the plugin over A's (> 1 means the plugin serves
-more).
+more). A merged file lists the ratios whose rows come from two runs (`ratios_across_runs`).
 """
 
 from __future__ import annotations
@@ -42,15 +42,14 @@ def _stat(row: Mapping[str, Any], field: str, stat: str) -> float | None:
     return float(value) if value is not None else None
 
 
-def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Every ratio between a plugin mode and each other mode at the same model, workload and
-    rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_decode_only`)
-    the stock modes and `plugin`."""
+def _ratio_pairs(rows: Iterable[Mapping[str, Any]]
+                 ) -> Iterable[tuple[str, float, Mapping[str, Any], Mapping[str, Any]]]:
+    """(key, value, the other mode's row, the plugin mode's row) of every ratio (see
+    compute_ratios)."""
     by_point: dict[tuple[str, str, float], dict[str, Mapping[str, Any]]] = {}
     for row in rows:
         if row.get("completed"):
             by_point.setdefault((row["model"], row["workload"], row["rate"]), {})[row["mode"]] = row
-    out: dict[str, float] = {}
     for (model, workload, rate), modes in sorted(by_point.items()):
         where = f"{model}/{workload}/{rate_label(rate)}"
         for mine, plugin in sorted(modes.items()):
@@ -62,11 +61,24 @@ def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
                 for metric, (field, stat) in RATIO_METRICS.items():
                     a, b = _stat(row, field, stat), _stat(plugin, field, stat)
                     if a is not None and b:
-                        out[f"{metric}_{other}_over_{mine}/{where}"] = round(a / b, 3)
+                        key = f"{metric}_{other}_over_{mine}/{where}"
+                        yield key, round(a / b, 3), row, plugin
                 a, b = plugin.get("output_tokens_per_s"), row.get("output_tokens_per_s")
                 if a is not None and b:
-                    out[f"otps_{mine}_over_{other}/{where}"] = round(a / b, 3)
-    return out
+                    yield f"otps_{mine}_over_{other}/{where}", round(a / b, 3), row, plugin
+
+
+def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Every ratio between a plugin mode and each other mode at the same model, workload and
+    rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_decode_only`)
+    the stock modes and `plugin`."""
+    return {key: value for key, value, _, _ in _ratio_pairs(rows)}
+
+
+def ratios_across_runs(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The ratio keys whose two rows come from different runs (`run`, set by `merge`): not
+    measured side by side, so machine-to-machine noise is in them."""
+    return [key for key, _, a, b in _ratio_pairs(rows) if a.get("run") != b.get("run")]
 
 
 def saturation(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -132,9 +144,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
             f"{r['failed']:>5}{_f(_stat(r, 'send_lag_ms', 'p99'), '.1f'):>8}  "
             f"{_steps_text(r.get('steps'))}")
     lines.append("")
-    lines.append("ratios (stock time / plugin time; otps plugin / stock): > 1 = plugin better")
+    lines.append("ratios (stock time / plugin time; otps plugin / stock): > 1 = plugin better"
+                 + ("; * = rows of two runs" if doc.get("ratios_across_runs") else ""))
+    across = set(doc.get("ratios_across_runs", ()))
     for key, value in doc["ratios"].items():
-        lines.append(f"  {key:<58} {value:6.3f}")
+        lines.append(f"  {key:<58} {value:6.3f}" + (" *" if key in across else ""))
     lines.append("")
     for key, sat in doc["saturation"].items():
         at = f"saturates at {sat['saturated_at']:g} req/s" if sat["saturated_at"] is not None \
@@ -190,6 +204,8 @@ def assemble(name: str, model: str, env: dict[str, Any], workloads: dict[str, An
     doc = {"schema": SCHEMA, "name": name, "env": env, "model": model, "modes": modes,
            "workloads": workloads, "rows": rows, "ratios": compute_ratios(rows),
            "saturation": saturation(rows), "skipped": skipped}
+    if across := ratios_across_runs(rows):
+        doc["ratios_across_runs"] = across
     check_schema(doc)
     return doc
 
@@ -213,7 +229,9 @@ def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
 
 
 def merge(paths: list[str], name: str, results_dir: Path) -> int:
-    """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed."""
+    """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed. Each
+    row keeps the name of the file it was measured in (`run`), and the ratios between rows of
+    two runs are listed under `ratios_across_runs`."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     for p, d in zip(paths, docs):
         check_schema(d)
@@ -221,8 +239,10 @@ def merge(paths: list[str], name: str, results_dir: Path) -> int:
             raise ValueError(f"{p} is for {d['model']}, {paths[0]} for {docs[0]['model']}")
     rows: dict[tuple[str, str, float], dict[str, Any]] = {}
     modes, workloads, skipped = {}, {}, []
-    for d in docs:
-        rows.update({(r["mode"], r["workload"], r["rate"]): r for r in d["rows"]})
+    for p, d in zip(paths, docs):
+        # a row keeps the run it was measured in: its first result file's name
+        rows.update({(r["mode"], r["workload"], r["rate"]): {"run": Path(p).name, **r}
+                     for r in d["rows"]})
         modes.update(d["modes"])
         workloads.update(d["workloads"])
         skipped += d.get("skipped", [])

@@ -236,3 +236,18 @@ def test_startup_trace_only_when_asked(tmp_path: Path, monkeypatch) -> None:
     with startup_trace.maybe_trace_startup(spec) as log:
         assert log is not None
     assert (tmp_path / "startup-m-plugin_graphs-r1.txt").is_file()
+
+
+def test_prefill_profile_needs_every_prompt_of_a_count_in_one_step(monkeypatch) -> None:
+    assert profile_steps.prefill_token_counts("2048,8192", 512, 16) == [2048, 8192]
+    with pytest.raises(ValueError, match=r"prefills 16 prompts in one step.*--batches 1,16"):
+        profile_steps.prefill_token_counts("2048,8192", 512, 1)
+    # the decode benchmark says so before it starts anything
+    from benchmarks import decode
+
+    monkeypatch.setenv("BENCH_PROFILE_PREFILL", "2048")
+    args = decode.run_parser().parse_args(["--batches", "1", "--contexts", "512", "--dry-run"])
+    with pytest.raises(ValueError, match="caps max_num_seqs at 1"):
+        decode.validate_args(args)
+    args = decode.run_parser().parse_args(["--batches", "1,4", "--contexts", "512", "--dry-run"])
+    decode.validate_args(args)

@@ -252,6 +252,38 @@ def test_result_schema_and_table():
         serve_report.check_schema({k: v for k, v in doc.items() if k != "ratios"})
 
 
+def test_merge_keeps_each_rows_run_and_lists_ratios_across_runs(tmp_path, capsys):
+    env = {"gpu_name": "x"}
+    section = serve_report.workloads_section([(WORKLOADS["chat"], [4, 16])])
+    a = serve_report.assemble("a", "m", env, section, {"plugin": {}, "stock": {}},
+                              [_row("plugin", 16, 40.0, 2.0, 3000.0),
+                               _row("stock", 16, 50.0, 2.5, 2900.0),
+                               _row("stock", 4, 20.0, 2.0, 800.0)], [])
+    b = serve_report.assemble("b", "m", env, section, {"plugin": {}, "stock_triton": {}},
+                              [_row("plugin", 4, 10.0, 1.0, 810.0),
+                               _row("stock_triton", 16, 60.0, 3.0, 2800.0)], [])
+    pa, pb = serve_report.write(a, tmp_path), serve_report.write(b, tmp_path)
+    assert "ratios_across_runs" not in a  # one run: every ratio side by side
+    assert serve_report.merge([str(pa), str(pb)], "ab", tmp_path) == 0
+    doc = json.loads((tmp_path / "ab.json").read_text())
+    assert {(r["mode"], r["rate"]): r["run"] for r in doc["rows"]} == {
+        ("plugin", 16): "a.json", ("stock", 16): "a.json", ("stock", 4): "a.json",
+        ("plugin", 4): "b.json", ("stock_triton", 16): "b.json"}
+    across = doc["ratios_across_runs"]
+    assert "ttft_p50_stock_triton_over_plugin/m/chat/r16" in across  # plugin row from a.json
+    assert "ttft_p50_stock_over_plugin/m/chat/r4" in across  # stock row from a.json
+    assert not [k for k in across if k.endswith("/r16") and "_stock_over_" in k]
+    assert set(across) <= set(doc["ratios"])
+    table = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("  ") and "_over_" in ln}
+    assert table["ttft_p50_stock_over_plugin/m/chat/r4"].endswith(" *")
+    assert not table["ttft_p50_stock_over_plugin/m/chat/r16"].endswith("*")
+    # merging the merged file again keeps each row's first run
+    assert serve_report.merge([str(tmp_path / "ab.json")], "ab2", tmp_path) == 0
+    again = json.loads((tmp_path / "ab2.json").read_text())
+    assert again["ratios_across_runs"] == across
+
+
 # -- CLI ----------------------------------------------------------------------------------------
 def _cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "benchmarks.serve", *args], cwd=REPO,
