@@ -190,6 +190,15 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
+            "plugin_graphs_skip_moe_padding",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with skip_moe_padding on: the padding rows of a padded step skip "
+            "the MoE experts (on request)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_graphs_cublas",
             Family.PLUGIN,
             True,

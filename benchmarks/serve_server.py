@@ -61,6 +61,10 @@ SERVE_MODES: dict[str, ServeMode] = {
         ServeMode("plugin_precapture", "on request: `plugin` with precapture (every graph "
                   "captured before the server is ready, none while serving)",
                   args=_plugin_config(precapture=True), ready_estimate_s=70.0, default=False),
+        ServeMode("plugin_skip_moe_padding", "on request: `plugin` with skip_moe_padding "
+                  "(the padding rows of a padded step skip the MoE experts)",
+                  args=_plugin_config(skip_moe_padding=True), ready_estimate_s=60.0,
+                  default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   args=_plugin_config(prefill_attention="triton"),

@@ -82,6 +82,11 @@ class PluginConfig:
     # warning) or "triton" (the plugin's varlen kernel). FA3 runs with its schedule planned
     # outside the graph (integration/attention/flash_attn.py).
     prefill_attention: str = "auto"
+    # The padding rows of a padded step skip the fused MoE's experts (integration/moe_padding.py:
+    # vLLM's Triton experts, more than 64 experts, no expert parallelism): no expert weights
+    # loaded and no expert GEMM rows for them; real rows are bit-identical either way. Off until
+    # its GPU tests and the serving benchmark have run on the H200 (deny by default).
+    skip_moe_padding: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -193,6 +198,7 @@ _PARSERS = {
     "mixed_graphs": _bool,
     "token_buckets": _buckets,
     "prefill_attention": _prefill_attention,
+    "skip_moe_padding": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"
 

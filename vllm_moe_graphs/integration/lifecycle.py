@@ -40,6 +40,7 @@ from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
 from vllm_moe_graphs.integration.graph_logits import install_graph_logits
+from vllm_moe_graphs.integration.moe_padding import MoePadding, install_moe_padding, padded_scope
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class GraphLifecycle:
         self.logits: GraphLogits | None = None  # logits_in_graph, with `inputs`
         self.linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
         self.fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
+        self.moe_padding: MoePadding | None = None  # skip_moe_padding, for an MoE model
         self.lean_replay = False  # a replay may skip the attention metadata (`builds_metadata`)
         self._kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
         self._step: StepScope | None = None
@@ -107,6 +109,8 @@ class GraphLifecycle:
             from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
 
             self.fused_attn = install_fused_qk_norm_rope(model)
+        if c.enabled and c.skip_moe_padding and proof.holds:
+            self.moe_padding = install_moe_padding(model, self._runner)
 
     def bind(self, phase: Phase) -> None:
         """Bind the storage to the KV tensors vLLM bound to our layers (else log why not)."""
@@ -317,8 +321,9 @@ class GraphLifecycle:
         if plan is None or self.graphs is None:
             return None
         step.plan = None
-        out, _ = self.graphs.run(plan.decision, self._forward_fn(args, plan.with_logits),
-                                 plan.kind)
+        d = plan.decision
+        with padded_scope(self.moe_padding, d.num_reqs if d.padded else None):
+            out, _ = self.graphs.run(d, self._forward_fn(args, plan.with_logits), plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
         return out
@@ -361,8 +366,9 @@ class GraphLifecycle:
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
         returns its output, or the eager forward's when the capture was denied or failed."""
-        result = self.graphs.precapture([key], forward=self._forward_fn(
-            args, self._logits_for(key)))[key]
+        with padded_scope(self.moe_padding, key.batch_bucket):
+            result = self.graphs.precapture([key], forward=self._forward_fn(
+                args, self._logits_for(key)))[key]
         out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
         return out if out is not None else self.model(**args)
 
@@ -383,9 +389,12 @@ class GraphLifecycle:
         ids = args.get("input_ids")
         rows = ids.shape[0] if ids is not None else args["inputs_embeds"].shape[0]
         model, logits = self.model, self.logits if with_logits else None
+        padding = self.moe_padding
 
         def forward(batch_size: int) -> torch.Tensor:
             assert rows >= batch_size, f"step has {rows} input rows, the runner asked {batch_size}"
+            if padding is not None:
+                padding.begin(rows)  # inside the graph: which rows skip the MoE experts
             hidden = model(**args)
             if logits is not None:
                 logits.compute(hidden)
