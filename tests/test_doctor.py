@@ -185,3 +185,17 @@ def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
 def test_prefill_attention_line_follows_config_and_machine(section, problem, kernel):
     lines = doctor.prefill_steps_lines({"moe_graphs": section}, problem)
     assert lines[1] == f"  their attention: {kernel}", lines
+
+
+def test_doctor_says_whether_moe_padding_rows_skip_the_experts(capsys):
+    code, out = _run(capsys, "qwen3-30b-a3b")
+    assert ("padding rows of padded steps: routed through the experts like real tokens "
+            "(skip_moe_padding is off") in out
+    code, out = _run(capsys, "qwen3-30b-a3b", "--additional-config",
+                     '{"moe_graphs": {"skip_moe_padding": true}}')
+    assert "padding rows of padded steps: skip the experts wherever vLLM runs its Triton" in out
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert "padding rows" not in out  # a dense model has no experts
+    assert doctor.moe_padding_lines({"moe_graphs": {"skip_moe_padding": True}}, 64) == [
+        "padding rows of padded steps: routed through the experts like real tokens: 64 experts "
+        "(skipping them needs more than 64)"]

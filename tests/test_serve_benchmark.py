@@ -285,9 +285,9 @@ def test_merge_keeps_each_rows_run_and_lists_ratios_across_runs(tmp_path, capsys
 
 
 # -- CLI ----------------------------------------------------------------------------------------
-def _cli(*args, env=None):
+def _cli(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "benchmarks.serve", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_help_documents_every_option():
@@ -331,7 +331,7 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
                 "--min-requests", "3", "--warmup-s", "1", "--clients", "2", "--allow-cpu",
                 "--server-arg=--enforce-eager", "--name", "e2e", "--results-dir",
                 str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--no-plot",
-                env=cpu_env(cpu_vllm))
+                env=cpu_env(cpu_vllm), timeout=300)  # two CPU servers start: 40-60 s each
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "e2e.json").read_text())
     serve_report.check_schema(doc)

@@ -82,9 +82,28 @@ def prefill_steps_lines(additional_config: dict | None, fa3_problem: str | None)
     return [f"steps with prefill tokens: {how}", f"  their attention: {kernel}"]
 
 
+def moe_padding_lines(additional_config: dict | None, num_experts: int | None) -> list[str]:
+    """Whether the padding rows of padded steps will skip the MoE experts under this plugin
+    config (none for a dense model, `num_experts` None)."""
+    from vllm_moe_graphs.config import PluginConfig
+
+    if not num_experts:
+        return []
+    if not PluginConfig.from_additional_config(additional_config).skip_moe_padding:
+        how = ("routed through the experts like real tokens (skip_moe_padding is off; "
+               "\"skip_moe_padding\": true in --additional-config lets them skip the experts)")
+    elif num_experts <= 64:
+        how = (f"routed through the experts like real tokens: {num_experts} experts (skipping "
+               "them needs more than 64)")
+    else:
+        how = ("skip the experts wherever vLLM runs its Triton experts (the engine log says in "
+               "how many MoE layers)")
+    return [f"padding rows of padded steps: {how}"]
+
+
 def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], list[str]]:
-    """Parse `MODEL [engine args]`; return (model, report, the lines on steps with prefill
-    tokens, flags doctor did not read). The arguments are parsed before vLLM is imported, so
+    """Parse `MODEL [engine args]`; return (model, report, the lines on how steps run (prefill
+    tokens, MoE padding rows), flags doctor did not read). The arguments are parsed before vLLM is imported, so
     `--help` and usage errors answer at once."""
     args, unread = build_parser().parse_known_args(argv)
 
@@ -102,7 +121,8 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    return model, config_capability(facts_from_engine_args(engine_args, hf)), prefill, unread
+    steps = prefill + moe_padding_lines(args.additional_config, hf.get("num_experts"))
+    return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
 
 
 def main(argv: list[str]) -> int:
