@@ -103,8 +103,8 @@ def moe_padding_lines(additional_config: dict | None, num_experts: int | None) -
 
 def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], list[str]]:
     """Parse `MODEL [engine args]`; return (model, report, the lines on how steps run (prefill
-    tokens, MoE padding rows), flags doctor did not read). The arguments are parsed before vLLM is imported, so
-    `--help` and usage errors answer at once."""
+    tokens, MoE padding rows), flags doctor did not read). The arguments are parsed before vLLM
+    is imported, so `--help` and usage errors answer at once."""
     args, unread = build_parser().parse_known_args(argv)
 
     from vllm import EngineArgs

@@ -1,4 +1,5 @@
-"""Padding rows of a padded step skip the fused MoE (`skip_moe_padding`, on by default).
+"""Padding rows of a padded step skip the fused MoE (`skip_moe_padding`, off by default until
+its GPU tests have run on the H200).
 
 A graph key pads its step to the key's bucket: the rows past the real ones carry whatever the
 persistent input buffers held, and vLLM routes them through every MoE layer like real tokens.
@@ -16,7 +17,7 @@ Here the padding rows get an expert id that vLLM 0.26's Triton experts skip
   64 experts), so id E lands in no block: no GEMM rows, no weight tile. Sentinel E.
 - E <= 64: vLLM's small-batch alignment kernel indexes ids unchecked. Not eligible.
 
-Plan / run: `set_real(n)` (host, before the step's forward or replay) writes the real row count
+Plan / run: `padded(n)` (host, around the step's forward or replay) writes the real row count
 into a device scalar; inside the forward, captured with it, `begin(rows)` marks rows >= that
 count and each eligible layer's router output gets `masked_fill_` with the sentinel (one launch
 per layer). Real rows are bit-identical either way: the kernel computes each output row from its
