@@ -10,9 +10,11 @@
 #   KERNELS_STEPS   steps of benchmarks/gpu/kernels.sh, guard KERNELS_GUARD_S (150)
 #   DECODE_ARGS     arguments of benchmarks/gpu/run.sh (benchmarks.decode, or DECODE_MODULE, e.g.
 #                   benchmarks.startup), SKIP_PYTEST=1; keeps AFTER_DECODE_S (20) for what follows
-#   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serve
+#   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serve; keeps
+#                   AFTER_SERVE_S (0) for what follows
+#   SERVE2_ARGS     a second serving run (another shape or mode set): $OUT/serve2.tgz
 # The benchmark parts get --time-budget-s from what is left. A device call brings back at most 8
-# files: each part's output folder comes back as one archive, $OUT/{tests,kernels,decode,serve}.tgz,
+# files: each part's output folder comes back as one archive, $OUT/{tests,kernels,decode,serve}.tgz
 # and the benchmarks' JSON and PNG files also as they are.
 set -uo pipefail
 T0=$(date +%s)
@@ -50,18 +52,20 @@ if [ -n "${DECODE_ARGS:-}" ]; then
   fi
   say "decode done"
 fi
-if [ -n "${SERVE_ARGS:-}" ]; then
-  mkdir -p "$WORK/serve"
-  budget=$(( $(left) - 20 ))
+serve() {  # serve PART ARGS KEEP_S: one serving run, leaving KEEP_S seconds for what follows
+  mkdir -p "$WORK/$1"
+  budget=$(( $(left) - 20 - $3 ))
   # shellcheck disable=SC2086
-  OUT=$WORK/serve RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
-    bash benchmarks/gpu/run.sh $SERVE_ARGS --time-budget-s $((budget - 15)) 2>&1 | tail -60
-  say "serve done"
-fi
-for part in tests kernels decode serve; do
+  OUT=$WORK/$1 RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
+    bash benchmarks/gpu/run.sh $2 --time-budget-s $((budget - 15)) 2>&1 | tail -60
+  say "$1 done"
+}
+[ -n "${SERVE_ARGS:-}" ] && serve serve "$SERVE_ARGS" "${AFTER_SERVE_S:-0}"
+[ -n "${SERVE2_ARGS:-}" ] && serve serve2 "$SERVE2_ARGS" 0
+for part in tests kernels decode serve serve2; do
   [ -d "$WORK/$part" ] && tar -czf "$FINAL/$part.tgz" -C "$WORK" "$part"
 done
-for part in decode serve; do
+for part in decode serve serve2; do
   cp "$WORK/$part"/*.json "$WORK/$part"/*.png "$FINAL/" 2>/dev/null
 done
 say "done; files in $FINAL: $(cd "$FINAL" && ls | tr '\n' ' ')"
