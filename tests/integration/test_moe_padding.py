@@ -127,6 +127,13 @@ def test_vllms_triton_experts_skip_the_padding_rows(rows: int, real: int) -> Non
     shapes: with the padding rows' ids rewritten, the real rows' outputs are bit-identical to
     vLLM's unrewritten run (naive path at 4 rows, aligned above)."""
     require_cuda_and_vllm()
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        _check_triton_experts(rows, real)
+
+
+def _check_triton_experts(rows: int, real: int) -> None:
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
     dev, dt, hidden, inter = torch.device("cuda"), torch.bfloat16, 2048, 768
