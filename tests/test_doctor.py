@@ -11,6 +11,7 @@ import pytest
 
 from vllm_moe_graphs.cli import doctor
 from vllm_moe_graphs.cli.main import main as cli_main
+from vllm_moe_graphs.config import PluginConfig
 
 DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
                "hidden_size": 5120, "num_attention_heads": 128, "kv_lora_rank": 512,
@@ -183,7 +184,7 @@ def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
      "(prefill_attention flash_attn: FlashAttention 3 is not available on this machine: no GPU)"),
 ])
 def test_prefill_attention_line_follows_config_and_machine(section, problem, kernel):
-    lines = doctor.prefill_steps_lines({"moe_graphs": section}, problem)
+    lines = doctor.prefill_steps_lines(PluginConfig.from_dict(section), problem)
     assert lines[1] == f"  their attention: {kernel}", lines
 
 
@@ -196,6 +197,6 @@ def test_doctor_says_whether_moe_padding_rows_skip_the_experts(capsys):
     assert "padding rows of padded steps: skip the experts wherever vLLM runs its Triton" in out
     code, out = _run(capsys, "qwen3-0.6b")
     assert "padding rows" not in out  # a dense model has no experts
-    assert doctor.moe_padding_lines({"moe_graphs": {"skip_moe_padding": True}}, 64) == [
+    assert doctor.moe_padding_lines(PluginConfig(skip_moe_padding=True), 64) == [
         "padding rows of padded steps: routed through the experts like real tokens: 64 experts "
         "(skipping them needs more than 64)"]

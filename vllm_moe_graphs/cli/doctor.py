@@ -12,6 +12,7 @@ import sys
 
 from vllm_moe_graphs import __version__
 from vllm_moe_graphs.capability import DecodeGraphCapability, config_capability
+from vllm_moe_graphs.config import PluginConfig
 
 EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -56,13 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prefill_steps_lines(additional_config: dict | None, fa3_problem: str | None) -> list[str]:
-    """How steps that carry prefill tokens will run under this plugin config: graphed or eager,
+def prefill_steps_lines(cfg: PluginConfig, fa3_problem: str | None) -> list[str]:
+    """How steps that carry prefill tokens will run under plugin config `cfg`: graphed or eager,
     and which attention kernel they take (`fa3_problem`: why vLLM's FlashAttention 3 cannot run
     on this machine, None when it can)."""
-    from vllm_moe_graphs.config import PluginConfig
-
-    cfg = PluginConfig.from_additional_config(additional_config)
     buckets = cfg.token_buckets
     if cfg.mixed_graphs:
         how = (f"graphed, one graph per query-token bucket ({len(buckets)} buckets, "
@@ -82,14 +80,12 @@ def prefill_steps_lines(additional_config: dict | None, fa3_problem: str | None)
     return [f"steps with prefill tokens: {how}", f"  their attention: {kernel}"]
 
 
-def moe_padding_lines(additional_config: dict | None, num_experts: int | None) -> list[str]:
-    """Whether the padding rows of padded steps will skip the MoE experts under this plugin
-    config (none for a dense model, `num_experts` None)."""
-    from vllm_moe_graphs.config import PluginConfig
-
+def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
+    """Whether the padding rows of padded steps will skip the MoE experts under plugin config
+    `cfg` (none for a dense model, `num_experts` None)."""
     if not num_experts:
         return []
-    if not PluginConfig.from_additional_config(additional_config).skip_moe_padding:
+    if not cfg.skip_moe_padding:
         how = ("routed through the experts like real tokens (skip_moe_padding is off; "
                "\"skip_moe_padding\": true in --additional-config lets them skip the experts)")
     elif num_experts <= 64:
@@ -113,7 +109,8 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
     from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
 
-    prefill = prefill_steps_lines(args.additional_config, flash_attn_problem())
+    cfg = PluginConfig.from_additional_config(args.additional_config)
+    prefill = prefill_steps_lines(cfg, flash_attn_problem())
 
     model = resolve_model(args.model_or_config_dir)
     hf = read_hf_config(model)
@@ -121,13 +118,13 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    steps = prefill + moe_padding_lines(args.additional_config, hf.get("num_experts"))
+    steps = prefill + moe_padding_lines(cfg, hf.get("num_experts"))
     return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
 
 
 def main(argv: list[str]) -> int:
     try:
-        model, report, prefill, unread = report_for(argv)
+        model, report, steps, unread = report_for(argv)
     except ValueError as exc:
         print(f"moe-graphs doctor: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -141,6 +138,6 @@ def main(argv: list[str]) -> int:
     if report.eligible:
         print("runtime proofs (KV storage bound, one owner, same device, per-layer KV write) are "
               "checked when the engine starts; see moe_graphs_capability on /metrics")
-    for line in prefill:
+    for line in steps:
         print(line)
     return EXIT_ELIGIBLE if report.eligible else EXIT_NOT_ELIGIBLE
