@@ -55,17 +55,21 @@ class Toy:
 
 
 class Emulated:
-    """A capture function: warm-up, `before_capture`, then a "graph" that re-runs `fn`."""
+    """A capture function: warm-up (when asked), `before_capture`, then a "graph" that re-runs
+    `fn`."""
 
     def __init__(self, pool_bytes: int = MIB, fail: Exception | None = None) -> None:
         self.pool_bytes, self.fail = pool_bytes, fail
         self.captures = self.replays = self.releases = 0
         self.pools: list[object] = []
+        self.warm_ups: list[bool] = []
 
-    def __call__(self, fn, pool, before_capture) -> CapturedGraph:
+    def __call__(self, fn, pool, before_capture, *, warm_up: bool = True) -> CapturedGraph:
         self.captures += 1
         self.pools.append(pool)
-        fn()
+        self.warm_ups.append(warm_up)
+        if warm_up:
+            fn()
         if before_capture is not None:
             before_capture()
         if self.fail is not None:
@@ -144,6 +148,19 @@ def test_warmup_capture_replay_sequence():
 def test_zero_warmup_captures_on_first_step():
     runner, toy, cap, _ = make(config(warmup_steps=0))
     assert step(runner, toy, 1).action is Action.CAPTURE and cap.captures == 1
+    assert cap.warm_ups == [True], "a key that never ran at its size warms up inside the capture"
+
+
+@pytest.mark.parametrize("warmup_steps", [1, 2])
+def test_a_warmed_key_is_captured_without_another_warm_up_run(warmup_steps):
+    runner, toy, cap, _ = make(config(warmup_steps=warmup_steps))
+    warm_and_capture(runner, toy, n=3)
+    assert cap.warm_ups == [False]
+    assert toy.calls == [4] * (warmup_steps + 2), "warm-ups, the capture, its replay"
+    runner.invalidate(Reason.STORAGE_IDENTITY_CHANGED)  # warm-up counts restart with the pool
+    runner.precapture([GraphKey(8, 16)])
+    warm_and_capture(runner, toy, n=3)
+    assert cap.warm_ups == [False, True, False], "precapture's key had no eager step before"
 
 
 def test_real_row_slicing_hides_padding():

@@ -26,18 +26,24 @@ class CapturedGraph:
 
 class CaptureFn(Protocol):
     def __call__(self, fn: Callable[[], torch.Tensor], pool: object,
-                 before_capture: Callable[[], None] | None) -> CapturedGraph: ...
+                 before_capture: Callable[[], None] | None, *,
+                 warm_up: bool = True) -> CapturedGraph: ...
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], pool: object,
-                 before_capture: Callable[[], None] | None) -> CapturedGraph:
-    """Capture `fn` into a `torch.cuda.CUDAGraph` on the shared `pool`, after one warm-up run on
-    a side stream (as PyTorch recommends: lazy inits, cuBLAS workspaces, allocator state)."""
-    side = _side_stream(torch.cuda.current_device())
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+                 before_capture: Callable[[], None] | None, *,
+                 warm_up: bool = True) -> CapturedGraph:
+    """Capture `fn` into a `torch.cuda.CUDAGraph` on the shared `pool`. With `warm_up`, one
+    warm-up run on a side stream first (as PyTorch recommends: lazy inits, cuBLAS handles,
+    allocator state); the caller passes False when `fn`'s shapes have just run eagerly (a key's
+    warm-up steps), where that run would initialize nothing new and cost a whole step, GPU-bound
+    at large token buckets, inside the capture pause."""
+    if warm_up:
+        side = _side_stream(torch.cuda.current_device())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
     # torch.cuda.graph() empties the cache on entry; do it first so the reserved-bytes delta
     # below is the pool's growth only.
     torch.cuda.synchronize()

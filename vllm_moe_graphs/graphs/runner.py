@@ -350,9 +350,12 @@ class DecodeGraphRunner:
         generation = self._storage.generation if self._storage is not None else None
         batch = key.batch_bucket
         start = time.perf_counter()
+        # a key that ran its warm-up steps eagerly at this size needs no warm-up run inside the
+        # capture; one captured without (precapture, warmup_steps 0) gets it
+        warm_up = self._warm.get(key, 0) == 0
         try:
             graph = self._capture_fn(lambda: forward(batch), self._pool,
-                                     self._before_capture)
+                                     self._before_capture, warm_up=warm_up)
         except Exception as exc:  # noqa: BLE001 - any capture error quarantines the key
             self._quarantined[key] = f"{type(exc).__name__}: {exc}"
             if not self._graphs:
