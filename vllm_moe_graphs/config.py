@@ -45,8 +45,11 @@ class PluginConfig:
     # Longest context (tokens) a graph is planned for; a batch picks the smallest bucket that
     # holds its longest sequence. Past the last bucket the batch runs eager (`context_too_long`).
     context_buckets: tuple[int, ...] = (2048, 8192, 32768, 131072)
-    # Eager steps a (batch, context) key runs before it is captured lazily.
-    warmup_steps: int = 2
+    # Eager steps a key runs at its padded size before it is captured lazily. One initializes
+    # what the key's shapes need (the start-up warm-up compiled the kernels already), so the
+    # capture that follows adds no warm-up run of its own; 0 captures at first sight, with one
+    # warm-up run inside the capture.
+    warmup_steps: int = 1
     # Upper bound of the shared graph memory pool; a capture past it is denied (`memory_budget`).
     graph_memory_budget_mib: int = 2048
     capture_failure_policy: CaptureFailurePolicy = CaptureFailurePolicy.QUARANTINE
