@@ -13,7 +13,9 @@ from vllm_moe_graphs.graphs.buckets import (
     pick_bucket,
     pick_key,
     pick_mixed_key,
+    shared_context_buckets,
 )
+from vllm_moe_graphs.ops import choose_num_splits
 
 BATCH = (1, 2, 4, 8)
 CONTEXT = (16, 64)
@@ -71,6 +73,26 @@ def test_attention_plans_every_graph_context_bucket():
                             40960).context_buckets) <= set(short)
     assert [context_bucket(short, n) for n in (0, 2048, 2049, 9000, 50000)] == [
         2048, 2048, 8192, 40960, 40960]
+
+
+def test_keys_with_one_attention_plan_share_the_smallest_context_bucket():
+    plans = {(1, 16): "a", (1, 64): "b", (8, 16): "c", (8, 64): "c"}
+    shared = shared_context_buckets((1, 8), (16, 64), lambda b, c: plans[(b, c)])
+    assert shared == {(1, 16): 16, (1, 64): 64, (8, 16): 16, (8, 64): 16}
+
+
+def test_decode_split_plans_leave_few_keys_on_the_h200():
+    """The Qwen3-30B-A3B shape (4 KV heads) on the H200's 132 SMs, default buckets fitted to
+    vLLM's max_model_len of 40960: the split count differs by context bucket only for batches
+    up to 4, so 13 batch buckets x 4 context buckets hold 16 distinct graphs, not 52."""
+    cfg = graph_config(PluginConfig(), 256, 40960)
+    shared = shared_context_buckets(cfg.decode_batch_buckets, cfg.context_buckets,
+                                    lambda b, c: choose_num_splits(b, 4, c, 132))
+    assert len(shared) == 52 and len(set(shared.items())) == 52
+    keys = {(b, c) for (b, _), c in shared.items()}
+    assert len(keys) == 16, sorted(keys)
+    assert {c for (b, c) in keys if b >= 8} == {2048}
+    assert shared[(1, 40960)] == 8192 and shared[(4, 32768)] == 8192
 
 
 def test_pick_mixed_key():

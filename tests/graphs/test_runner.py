@@ -173,6 +173,23 @@ def test_real_row_slicing_hides_padding():
     torch.testing.assert_close(out, toy.rows @ toy.w)
 
 
+def test_decode_keys_with_one_attention_plan_share_a_graph():
+    """With a decode plan (the split count per bucket pair), contexts 16 and 64 of batch
+    buckets 4 and 8 plan alike: one graph serves both; batch 1 and 2 keep one per context."""
+    plan = lambda b, c: (b, c if b < 4 else 0)  # noqa: E731
+    runner, toy, cap, _ = make(config(warmup_steps=0), decode_plan=plan)
+    assert runner.all_keys() == (GraphKey(8, 16), GraphKey(4, 16), GraphKey(2, 64),
+                                 GraphKey(2, 16), GraphKey(1, 64), GraphKey(1, 16))
+    assert step(runner, toy, 3, ctx=10).action is Action.CAPTURE
+    d = step(runner, toy, 3, ctx=40)
+    assert (d.action, d.key) == (Action.REPLAY, GraphKey(4, 16)), "the longer context replays"
+    assert step(runner, toy, 1, ctx=10).action is Action.CAPTURE
+    assert step(runner, toy, 1, ctx=40).action is Action.CAPTURE, "batch 1 plans per context"
+    assert runner.decide(3, 65, True).reason is Reason.CONTEXT_TOO_LONG
+    assert cap.captures == 3 and runner.keys == (GraphKey(1, 16), GraphKey(1, 64),
+                                                 GraphKey(4, 16))
+
+
 # -- failures --------------------------------------------------------------------------------
 def test_capture_failure_quarantines_key_and_runs_eager():
     cap = Emulated(fail=RuntimeError("operation not permitted when stream is capturing"))

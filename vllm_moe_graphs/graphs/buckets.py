@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
@@ -83,6 +83,24 @@ def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tu
     shared pool's memory)."""
     return tuple(sorted((GraphKey(b, c) for b in batch_buckets for c in context_buckets),
                         reverse=True))
+
+
+DecodePlan = Callable[[int, int], Hashable]  # (batch bucket, context bucket) -> attention launch
+
+
+def shared_context_buckets(batch_buckets: Sequence[int], context_buckets: Sequence[int],
+                           plan: DecodePlan) -> dict[tuple[int, int], int]:
+    """(batch bucket, context bucket) -> the context bucket of the key whose graph serves it:
+    the smallest one with the same decode attention plan (`plan(batch, context)`: what the
+    context bucket decides in the captured launches, e.g. the decode kernel's split count).
+    Keys with equal plans would capture the same kernels on the same buffers, so one graph
+    serves them all: fewer captures, less pool."""
+    shared: dict[tuple[int, int], int] = {}
+    for batch in batch_buckets:
+        first: dict[Hashable, int] = {}
+        for context in sorted(context_buckets):
+            shared[(batch, context)] = first.setdefault(plan(batch, context), context)
+    return shared
 
 
 def _fit(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:

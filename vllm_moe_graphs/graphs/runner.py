@@ -34,7 +34,8 @@ import torch
 
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
-from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_key, pick_mixed_key
+from vllm_moe_graphs.graphs.buckets import (
+    DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key, shared_context_buckets)
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
 from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.stats import GraphStats
@@ -116,7 +117,11 @@ class DecodeGraphRunner:
         new_pool: Callable[[], object] | None = None,
         before_capture: Callable[[], None] | None = None,
         before_replay: Callable[[], None] | None = None,
+        decode_plan: DecodePlan | None = None,
     ) -> None:
+        """`decode_plan(batch bucket, context bucket)`: the decode attention launch a key's
+        graph holds (`buckets.shared_context_buckets`); decode keys with equal plans share one
+        graph. None: one graph per (batch bucket, context bucket)."""
         self._forward = forward
         self.config = config
         self._storage = storage
@@ -133,6 +138,8 @@ class DecodeGraphRunner:
         self._capture_fn = capture_fn
         self._new_pool = new_pool or object
         self._budget_bytes = config.graph_memory_budget_mib * _MIB
+        self._shared_context = ({} if decode_plan is None else shared_context_buckets(
+            config.decode_batch_buckets, config.context_buckets, decode_plan))
         self._graphs: dict[GraphKey, _Graph] = {}
         self._warm: dict[GraphKey, int] = {}  # eager warm-up steps seen per key
         self._quarantined: dict[GraphKey, str] = {}  # key -> error; for the runner's life
@@ -153,8 +160,10 @@ class DecodeGraphRunner:
         return frozenset(self._quarantined)
 
     def all_keys(self) -> tuple[GraphKey, ...]:
-        """Every bucket pair of the config, largest batch first (what precapture captures)."""
-        return all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
+        """The decode key of every bucket pair of the config (pairs that share a graph give one
+        key), largest batch first (what precapture captures)."""
+        keys = all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
+        return tuple(sorted({self._shared(k) for k in keys}, reverse=True))
 
     def mixed_keys(self) -> tuple[GraphKey, ...]:
         """With `mixed_graphs`, the key of every token bucket, largest first (none without)."""
@@ -194,6 +203,8 @@ class DecodeGraphRunner:
         if is_pure_decode:
             key = pick_key(num_reqs, max_context, self.config.decode_batch_buckets,
                            self.config.context_buckets)
+            if isinstance(key, GraphKey):
+                key = self._shared(key)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
                                  self.config.decode_batch_buckets[-1])
@@ -320,6 +331,12 @@ class DecodeGraphRunner:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"DecodeGraphRunner.{what}() after close(): create a new runner")
+
+    def _shared(self, key: GraphKey) -> GraphKey:
+        """The decode key whose graph serves `key` (itself unless a smaller context bucket has
+        the same attention plan)."""
+        context = self._shared_context.get((key.batch_bucket, key.context_bucket))
+        return key if context is None else GraphKey(key.batch_bucket, context)
 
     def _capture_denied(self, key: GraphKey) -> Reason | None:
         if self._no_graphs is not None:

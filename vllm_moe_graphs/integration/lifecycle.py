@@ -206,13 +206,20 @@ class GraphLifecycle:
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
             config = graph_config(c, r.max_num_reqs, r.max_model_len, r.max_num_tokens)
-            self.graphs = DecodeGraphRunner(None, config, storage=self.storage,
-                                            kill_switch=KillSwitch.from_env())
+            builders = self.metadata_builders
+            self.graphs = DecodeGraphRunner(
+                None, config, storage=self.storage, kill_switch=KillSwitch.from_env(),
+                # a decode key's context bucket decides only its split count: keys with the
+                # same one share a graph
+                decode_plan=(lambda b, c: tuple(x.num_splits(b, c) for x in builders))
+                if builders else None)
             self.graphs.set_scratch_bytes(sum(
                 t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
-            logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s, "
+            logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s "
+                        "(%d decode keys: bucket pairs with one attention plan share a graph), "
                         "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
-                        list(config.context_buckets), c.warmup_steps, c.graph_memory_budget_mib)
+                        list(config.context_buckets), len(self.graphs.all_keys()),
+                        c.warmup_steps, c.graph_memory_budget_mib)
             if c.mixed_graphs:
                 logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs): "
                             "token buckets %s, requests padded to "
