@@ -61,9 +61,9 @@ REMEDY: dict[Reason, str] = {
     "does not own; they run stock vLLM",
     Reason.UNSUPPORTED_DTYPE: "use --dtype bfloat16 or float16 and an unquantized KV cache "
     "(--kv-cache-dtype auto)",
-    Reason.ENFORCE_EAGER: "drop --enforce-eager to allow decode graphs",
+    Reason.ENFORCE_EAGER: "drop --enforce-eager to allow the plugin's CUDA graphs",
     Reason.PIPELINE_PARALLEL: "use --pipeline-parallel-size 1",
-    Reason.TENSOR_PARALLEL: "use --tensor-parallel-size 1; decode graphs with tensor "
+    Reason.TENSOR_PARALLEL: "use --tensor-parallel-size 1; the plugin's graphs with tensor "
     "parallelism are not supported yet (stock vLLM runs)",
     Reason.SPECULATIVE_DECODING: "drop --speculative-config; speculative decoding runs stock vLLM",
     Reason.LORA: "drop --enable-lora; LoRA runs stock vLLM",
@@ -159,7 +159,7 @@ class DecodeGraphCapability:
         """Human-readable report (used by `moe-graphs doctor` and the start-up log)."""
         if self.eligible:
             return f"eligible: {REMEDY[Reason.ELIGIBLE]}"
-        lines = ["not eligible for decode graphs:"]
+        lines = ["not eligible for the plugin's CUDA graphs:"]
         for p in self.proofs:
             if not p.holds:
                 detail = f" ({p.detail})" if p.detail else ""

@@ -33,7 +33,7 @@ PREFIX = "moe_graphs_"
 class Mode(str, enum.Enum):
     """Label of `moe_graphs_info`: what the plugin does in this engine."""
 
-    GRAPHS = "graphs"  # capability proven at config time: decode graphs may replay
+    GRAPHS = "graphs"  # capability proven at config time: the plugin's graphs may replay
     STOCK = "stock"  # plugin loaded, but the capability report denies graphs: stock vLLM runs
     DISABLED = "disabled"  # disabled by configuration
 
@@ -42,7 +42,7 @@ class Mode(str, enum.Enum):
 METRICS: dict[str, str] = {
     "moe_graphs_info": "vllm_moe_graphs version and mode (value 1 for the current mode)",
     "moe_graphs_capability": "1 for each reason in the current capability report "
-    "(reason=eligible when decode graphs may replay), 0 otherwise",
+    "(reason=eligible when the plugin's graphs may replay), 0 otherwise",
     "moe_graphs_replays_total": "engine steps replayed from a CUDA graph, by step kind",
     "moe_graphs_eager_fallbacks_total": "engine steps run eager, by reason and step kind",
     "moe_graphs_captures_total": "CUDA graphs captured, by the kind of the step that captured",

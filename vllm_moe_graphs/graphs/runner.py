@@ -304,7 +304,7 @@ class DecodeGraphRunner:
         if self._closed:
             return
         if self._graphs:
-            logger.info("moe_graphs: dropping %d decode graphs (%s%s)", len(self._graphs),
+            logger.info("moe_graphs: dropping %d graphs (%s%s)", len(self._graphs),
                         reason.value, f": {detail}" if detail else "")
         self._drop()
 

@@ -76,7 +76,7 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
         edits.append("attention backend CUSTOM")
     if cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE":
         logger.info("moe_graphs: switching vLLM's own CUDA graphs off (cudagraph_mode was %s): "
-                    "the plugin captures decode graphs itself", cc.cudagraph_mode.name)
+                    "the plugin captures its own", cc.cudagraph_mode.name)
     if cc.cudagraph_mode is None or cc.cudagraph_mode.name != "NONE":
         from vllm.config.compilation import CUDAGraphMode
 
@@ -103,10 +103,10 @@ def before_engine_config(vllm_config: VllmConfig) -> None:
         return  # on_engine_config logs the reasons once the config is final
     edits, conflicts = take_over_decode_graphs(vllm_config)
     if conflicts:
-        logger.warning("moe_graphs: not taking over decode graphs because of %s; stock vLLM runs "
+        logger.warning("moe_graphs: not taking CUDA graphs over because of %s; stock vLLM runs "
                        "(drop those settings, see docs/serving.md)", ", ".join(conflicts))
     else:
-        logger.info("moe_graphs: decode graphs taken over: %s", ", ".join(edits) or
+        logger.info("moe_graphs: CUDA graphs taken over: %s", ", ".join(edits) or
                     "already configured by flags")
 
 

@@ -163,7 +163,7 @@ class GraphLifecycle:
         dropped through the listener), then bind afresh to what vLLM holds now."""
         if self.storage.closed:
             return
-        logger.warning("moe_graphs: %s; decode graphs dropped, rebinding", why)
+        logger.warning("moe_graphs: %s; graphs dropped, rebinding", why)
         self.storage.invalidate(why)
         self.bind(Phase.SERVING)
 
@@ -201,7 +201,7 @@ class GraphLifecycle:
         vllm_graphs = own is not None and own.name != "NONE"
         if proof.holds and vllm_graphs:
             logger.warning("moe_graphs: vLLM's own CUDA graphs are on (cudagraph_mode=%s); the "
-                           "plugin's decode graphs stay off (see docs/serving.md)", own.name)
+                           "plugin's graphs stay off (see docs/serving.md)", own.name)
         report = hooks.record_capability(r.vllm_config, metrics.process_rank(), proof,
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
@@ -215,7 +215,7 @@ class GraphLifecycle:
                 if builders else None)
             self.graphs.set_scratch_bytes(sum(
                 t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
-            logger.info("moe_graphs: decode graphs on: batch buckets %s, context buckets %s "
+            logger.info("moe_graphs: graphs on: decode batch buckets %s, context buckets %s "
                         "(%d decode keys: bucket pairs with one attention plan share a graph), "
                         "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
                         list(config.context_buckets), len(self.graphs.all_keys()),

@@ -43,8 +43,8 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
     config, graphs = lifecycle.config, lifecycle.graphs
     warm_up_kernels(runner, graphs, decode_keys=not config.precapture)
     if not config.precapture:
-        logger.info("moe_graphs: decode graphs are captured lazily, on first use of each "
-                    "bucket after %d warm-up steps", config.warmup_steps)
+        logger.info("moe_graphs: graphs are captured lazily, on first use of each key "
+                    "after %d warm-up steps", config.warmup_steps)
         return 0
     mixed, decode = graphs.mixed_keys(), graphs.all_keys()
     keys = mixed + decode

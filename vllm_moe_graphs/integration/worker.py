@@ -83,7 +83,7 @@ class MoeGraphsWorker(Worker):
 
     def init_device(self) -> None:
         if self.use_v2_model_runner:
-            logger.warning("moe_graphs: vLLM picked the V2 model runner; decode graphs stay off "
+            logger.warning("moe_graphs: vLLM picked the V2 model runner; the plugin's graphs stay off "
                            "(set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner)")
             super().init_device()
             return
