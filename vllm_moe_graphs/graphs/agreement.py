@@ -5,9 +5,10 @@ tensor parallelism the ranks' forwards all-reduce together, so they must run the
 the same action and the same number of rows. A rank replaying an 8-row graph while another runs
 5 rows eager all-reduces tensors of different sizes (a hang, or garbage); a rank that captures
 runs its forward more than once (the capture, a warm-up run before it where the key had no eager
-step, then the replay) where a replaying rank runs it once. Yet the ranks' local state can differ for a step: each process reads the kill
-file on its own clock (up to 100 ms stale), a capture can fail on one rank only (quarantine),
-pool sizes and hence the memory budget can differ.
+step, then the replay) where a replaying rank runs it once. Yet the ranks' local state can
+differ for a step: each process reads the kill file on its own clock (up to 100 ms stale), a
+capture can fail on one rank only (quarantine), pool sizes and hence the memory budget can
+differ.
 
 So before a step every rank shares what its decision would run (`execution`, five ints) with
 the other ranks (`RankExchange`, one all-gather over the tensor-parallel group's CPU/gloo

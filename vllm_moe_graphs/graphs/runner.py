@@ -138,8 +138,9 @@ class DecodeGraphRunner:
         self._capture_fn = capture_fn
         self._new_pool = new_pool or object
         self._budget_bytes = config.graph_memory_budget_mib * _MIB
-        self._shared_context = ({} if decode_plan is None else shared_context_buckets(
+        shared = ({} if decode_plan is None else shared_context_buckets(
             config.decode_batch_buckets, config.context_buckets, decode_plan))
+        self._shared_keys = {GraphKey(b, c): GraphKey(b, s) for (b, c), s in shared.items()}
         self._graphs: dict[GraphKey, _Graph] = {}
         self._warm: dict[GraphKey, int] = {}  # eager warm-up steps seen per key
         self._quarantined: dict[GraphKey, str] = {}  # key -> error; for the runner's life
@@ -335,8 +336,7 @@ class DecodeGraphRunner:
     def _shared(self, key: GraphKey) -> GraphKey:
         """The decode key whose graph serves `key` (itself unless a smaller context bucket has
         the same attention plan)."""
-        context = self._shared_context.get((key.batch_bucket, key.context_bucket))
-        return key if context is None else GraphKey(key.batch_bucket, context)
+        return self._shared_keys.get(key, key)
 
     def _capture_denied(self, key: GraphKey) -> Reason | None:
         if self._no_graphs is not None:
