@@ -90,17 +90,17 @@ if spec.get("fail_capture_bucket"):
     import vllm_moe_graphs.graphs.runner as runner_mod
     real_capture = runner_mod.cuda_capture
 
-    def failing_capture(fn, pool, before_capture):
+    def failing_capture(fn, pool, before_capture, **kwargs):
         out = fn()  # a forward outside the capture; rows = the bucket being captured
         if out.shape[0] != spec["fail_capture_bucket"]:
-            return real_capture(fn, pool, before_capture)
+            return real_capture(fn, pool, before_capture, **kwargs)
 
         def syncing():  # a host sync inside the region: CUDA invalidates the capture
             y = fn()
             torch.cuda.synchronize()
             return y
 
-        return real_capture(syncing, pool, before_capture)
+        return real_capture(syncing, pool, before_capture, **kwargs)
 
     runner_mod.cuda_capture = failing_capture
 
