@@ -619,6 +619,37 @@ def test_workspace_covers_every_batch(env):
             assert builder._workspace_view(batch, splits).shape[0] == batch
 
 
+def test_decode_keys_share_a_graph_where_the_builder_plans_one_launch(env):
+    """`runner_buffers.decode_split_plan` hands the graph runner our builder's split counts: a
+    decode step picks the key of the smallest context bucket the builder plans the same split
+    count for, and keys with different counts stay apart."""
+    from types import SimpleNamespace
+
+    from vllm_moe_graphs.config import PluginConfig
+    from vllm_moe_graphs.graphs import DecodeGraphRunner
+    from vllm_moe_graphs.integration.runner_buffers import decode_split_plan
+
+    builder = env.builder
+    group = SimpleNamespace(get_metadata_builder=lambda: builder)
+    assert decode_split_plan(SimpleNamespace(attn_groups=[])) is None
+    plan = decode_split_plan(SimpleNamespace(attn_groups=[[group]]))
+    cfg = PluginConfig(decode_batch_buckets=(1, 2, 4, 8), context_buckets=(64, 128, 256))
+    graphs = DecodeGraphRunner(None, cfg, capture_fn=lambda *a, **k: None, new_pool=object,
+                               decode_plan=plan)
+    seen = set()
+    for batch in cfg.decode_batch_buckets:
+        for context in cfg.context_buckets:
+            key = graphs.decide(batch, context, True).key
+            splits = builder.num_splits(batch, context)
+            assert builder.num_splits(batch, key.context_bucket) == splits
+            assert key.context_bucket == min(c for c in cfg.context_buckets
+                                             if builder.num_splits(batch, c) == splits)
+            seen.add((batch, splits))
+    assert len(graphs.all_keys()) == len(seen), graphs.all_keys()
+    if env.device.type == "cpu":  # 4 stand-in SMs: batches 4 and 8 plan fewer splits
+        assert len(seen) == 9, seen
+
+
 # ----------------------------------------------------------------------------- run
 
 

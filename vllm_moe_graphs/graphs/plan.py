@@ -17,7 +17,7 @@ import dataclasses
 
 from vllm_moe_graphs.graphs.buckets import GraphKey
 from vllm_moe_graphs.graphs.kinds import StepKind
-from vllm_moe_graphs.graphs.runner import Decision
+from vllm_moe_graphs.graphs.decision import Decision
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,3 +51,12 @@ def key_padding(key: GraphKey) -> tuple[int, int, bool]:
     if key.decode:
         return key.batch_bucket, key.batch_bucket, True
     return key.batch_bucket, key.request_bucket, False
+
+
+@dataclasses.dataclass(slots=True)
+class StepScope:
+    """The one engine step in flight (inside `execute_model`): which path prepared its inputs,
+    then its plan until the forward takes it."""
+
+    fast_inputs: bool = False
+    plan: StepPlan | None = None

@@ -24,7 +24,6 @@ publishes it as metrics). No vLLM import.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +36,7 @@ from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
     DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key, shared_context_buckets)
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
+from vllm_moe_graphs.graphs.decision import Action, Decision
 from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.stats import GraphStats
 
@@ -49,47 +49,6 @@ logger = logging.getLogger("vllm.moe_graphs")  # under vLLM's log handler
 _MIB = 1 << 20
 
 Forward = Callable[[int], torch.Tensor]  # padded batch size -> static output [B, ...]
-
-
-class Action(str, enum.Enum):
-    REPLAY = "replay"
-    CAPTURE = "capture"  # capture now, then replay once for this step's output
-    EAGER = "eager"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """What one decode step does. `reason` is ELIGIBLE for REPLAY, CAPTURE and warm-up steps
-    (EAGER at the padded size, not a fallback); otherwise why the step runs eager."""
-
-    action: Action
-    key: GraphKey | None
-    reason: Reason
-    num_reqs: int
-
-    @property
-    def warming_up(self) -> bool:
-        return self.action is Action.EAGER and self.reason is Reason.ELIGIBLE
-
-    @property
-    def padded(self) -> bool:
-        """Whether the forward runs at the key's padded size: on graph paths and warm-up, and
-        in the fallbacks of a key that could be graphed (`PADDED_FALLBACKS`), so that such a
-        step computes exactly what its graph would (cuBLAS picks its GEMM kernel by the row
-        count: padded and unpadded rows can differ in the last bit)."""
-        return self.key is not None and (self.action is not Action.EAGER or self.warming_up
-                                         or self.reason in PADDED_FALLBACKS)
-
-    @property
-    def batch_size(self) -> int:
-        """Rows the forward runs on: the key's bucket when `padded`, else the real rows."""
-        return self.key.batch_bucket if self.padded else self.num_reqs
-
-
-# Eager fallbacks that keep their key's padded shape: the kill switch stops replay, a
-# quarantined or over-budget key stops capture, none of them changes what the step computes.
-# Storage and capability fallbacks run vLLM's own unpadded step (nothing is vouched for).
-PADDED_FALLBACKS = frozenset({Reason.KILL_SWITCH, Reason.CAPTURE_FAILED, Reason.MEMORY_BUDGET})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +124,19 @@ class DecodeGraphRunner:
         key), largest batch first (what precapture captures)."""
         keys = all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
         return tuple(sorted({self._shared(k) for k in keys}, reverse=True))
+
+    def describe(self) -> list[str]:
+        """What the runner will graph, for the start-up log."""
+        c = self.config
+        lines = [f"graphs on: decode batch buckets {list(c.decode_batch_buckets)}, context "
+                 f"buckets {list(c.context_buckets)} ({len(self.all_keys())} decode keys: bucket "
+                 f"pairs with one attention plan share a graph), warm-up {c.warmup_steps} "
+                 f"steps, pool budget {c.graph_memory_budget_mib} MiB"]
+        if c.mixed_graphs:
+            lines.append(f"steps with prefill tokens graphed too (mixed_graphs): token buckets "
+                         f"{list(c.token_buckets)}, requests padded to min(token bucket, "
+                         f"{c.decode_batch_buckets[-1]})")
+        return lines
 
     def mixed_keys(self) -> tuple[GraphKey, ...]:
         """With `mixed_graphs`, the key of every token bucket, largest first (none without)."""

@@ -23,7 +23,6 @@ When vLLM makes these calls: the lifecycle table in `integration/model_runner.py
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,7 @@ from vllm_moe_graphs import metrics
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.buckets import graph_config
 from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
-from vllm_moe_graphs.graphs.plan import StepPlan, key_padding
+from vllm_moe_graphs.graphs.plan import StepPlan, StepScope, key_padding
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
@@ -51,15 +50,6 @@ if TYPE_CHECKING:
     from vllm_moe_graphs.metrics import MetricsRecorder
 
 logger = logging.getLogger("vllm.moe_graphs")
-
-
-@dataclasses.dataclass(slots=True)
-class StepScope:
-    """The one engine step in flight (inside `execute_model`): which path prepared its inputs,
-    then its plan until the forward takes it."""
-
-    fast_inputs: bool = False
-    plan: StepPlan | None = None
 
 
 class GraphLifecycle:
@@ -206,25 +196,13 @@ class GraphLifecycle:
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
             config = graph_config(c, r.max_num_reqs, r.max_model_len, r.max_num_tokens)
-            builders = self.metadata_builders
-            self.graphs = DecodeGraphRunner(
-                None, config, storage=self.storage, kill_switch=KillSwitch.from_env(),
-                # a decode key's context bucket decides only its split count: keys with the
-                # same one share a graph
-                decode_plan=(lambda b, c: tuple(x.num_splits(b, c) for x in builders))
-                if builders else None)
+            self.graphs = DecodeGraphRunner(None, config, storage=self.storage,
+                                            kill_switch=KillSwitch.from_env(),
+                                            decode_plan=runner_buffers.decode_split_plan(r))
             self.graphs.set_scratch_bytes(sum(
                 t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
-            logger.info("moe_graphs: graphs on: decode batch buckets %s, context buckets %s "
-                        "(%d decode keys: bucket pairs with one attention plan share a graph), "
-                        "warm-up %d steps, pool budget %d MiB", list(config.decode_batch_buckets),
-                        list(config.context_buckets), len(self.graphs.all_keys()),
-                        c.warmup_steps, c.graph_memory_budget_mib)
-            if c.mixed_graphs:
-                logger.info("moe_graphs: steps with prefill tokens graphed too (mixed_graphs): "
-                            "token buckets %s, requests padded to "
-                            "min(token bucket, %d)", list(config.token_buckets),
-                            config.decode_batch_buckets[-1])
+            for line in self.graphs.describe():
+                logger.info("moe_graphs: %s", line)
         if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
             why = unsupported(r)
             self.inputs = DecodeInputs(r) if why is None else None
@@ -243,8 +221,7 @@ class GraphLifecycle:
     def publish(self) -> None:
         """Publish the graph runner's counters (`GraphStats`) as this process' metrics."""
         if self.graphs is not None:
-            if self._recorder is None:
-                self._recorder = metrics.recorder()
+            self._recorder = self._recorder or metrics.recorder()
             self._recorder.publish(self.graphs.stats)
 
     # -- one engine step -------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Functions of a `MoeGraphsModelRunner` (vLLM 0.26.0 attribute names)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,6 +45,16 @@ def our_metadata_builders(runner: Any) -> list[Any]:
 
     return [b for groups in runner.attn_groups for g in groups
             if isinstance(b := g.get_metadata_builder(), MoeGraphsMetadataBuilder)]
+
+
+def decode_split_plan(runner: Any) -> Callable[[int, int], tuple[int, ...]] | None:
+    """A decode key's attention plan, (batch bucket, context bucket) -> the split count of each
+    of our metadata builders: all that the context bucket decides in a decode graph, so keys
+    with equal plans can share one (`DecodeGraphRunner(decode_plan=...)`). None without ours."""
+    builders = our_metadata_builders(runner)
+    if not builders:
+        return None
+    return lambda batch, context: tuple(b.num_splits(batch, context) for b in builders)
 
 
 def read_metadata_in_place(runner: Any) -> bool:
