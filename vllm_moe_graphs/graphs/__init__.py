@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: bucket keys, the step plan, capture and the graph runner (no vLLM)."""
+"""The plugin's CUDA graphs: bucket keys, the step decision and plan, capture and the graph runner
+(no vLLM)."""
 
 from vllm_moe_graphs.graphs.buckets import GraphKey, all_keys, pick_bucket, pick_key
 from vllm_moe_graphs.graphs.capture import CapturedGraph, cuda_capture
