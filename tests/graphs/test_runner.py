@@ -190,6 +190,17 @@ def test_decode_keys_with_one_attention_plan_share_a_graph():
                                                  GraphKey(4, 16))
 
 
+def test_describe_says_what_will_be_graphed():
+    plan = lambda b, c: (b, c if b < 4 else 0)  # noqa: E731
+    runner, *_ = make(config(mixed_graphs=True, token_buckets=(16, 32)), decode_plan=plan)
+    first, second = runner.describe()
+    assert "decode batch buckets [1, 2, 4, 8], context buckets [16, 64] (6 decode keys" in first
+    assert "warm-up 2 steps, pool budget 4 MiB" in first
+    assert "token buckets [16, 32], requests padded to min(token bucket, 8)" in second
+    runner, *_ = make(config(mixed_graphs=False))
+    assert len(runner.describe()) == 1 and "(8 decode keys" in runner.describe()[0]
+
+
 # -- failures --------------------------------------------------------------------------------
 def test_capture_failure_quarantines_key_and_runs_eager():
     cap = Emulated(fail=RuntimeError("operation not permitted when stream is capturing"))
