@@ -65,6 +65,10 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "(the padding rows of a padded step skip the MoE experts)",
                   args=_plugin_config(skip_moe_padding=True), ready_estimate_s=60.0,
                   default=False),
+        ServeMode("plugin_idle_capture", "on request: `plugin` with idle_capture (the keys "
+                  "traffic has not reached captured while the engine waits for requests)",
+                  args=_plugin_config(idle_capture=True), ready_estimate_s=60.0,
+                  default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   args=_plugin_config(prefill_attention="triton"),

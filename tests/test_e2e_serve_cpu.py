@@ -35,7 +35,8 @@ def _metric_lines(text: str, name: str) -> list[str]:
 
 def test_serve_with_plugin(tiny_qwen3, cpu_vllm, tmp_path):
     log_path = str(tmp_path / "serve.log")
-    with vllm_serve(tiny_qwen3, cpu_vllm, log_path) as base:
+    idle = ("--additional-config", '{"moe_graphs": {"idle_capture": true}}')
+    with vllm_serve(tiny_qwen3, cpu_vllm, log_path, args=idle) as base:
         out = _complete(base, tiny_qwen3)
         assert out["usage"]["completion_tokens"] == 4
         metrics = get(base + "/metrics")
@@ -43,6 +44,10 @@ def test_serve_with_plugin(tiny_qwen3, cpu_vllm, tmp_path):
     # register() ran in every vLLM process: API server, engine core and its worker
     roles = _registered_roles(log)
     assert "MainProcess" in roles and any(r.startswith("EngineCore") for r in roles), roles
+    # idle_capture's hook is in the engine core's loop only, and idle there without our worker
+    hooked = re.findall(r"registered in process (\S+) \(pid \d+\): [^\n]*EngineCoreProc", log)
+    assert hooked and all(r.startswith("EngineCore") for r in hooked), hooked
+    assert "idle_capture off" not in log
     assert any(r.startswith("VllmWorker") for r in roles) or len(roles) >= 2, roles
     # the capability was recorded in the worker (never in the API server process) ...
     recorded = re.findall(r"recorded capability in process (\S+) \(pid", log)

@@ -39,6 +39,7 @@ if [ "${1:-}" = tier ]; then
     + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
     "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \
     "$T::test_mixed_precapture_serves_mixed_traffic_without_capture" \
+    "$T::test_idle_capture_captures_while_idle_then_serves_without_capture" \
     "$T::test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager" \
     + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \

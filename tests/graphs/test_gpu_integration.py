@@ -844,3 +844,56 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
     assert summary["capture_failures"] == 1 and summary["capture_failed_fallbacks"] > 0, summary
     assert summary["memory_budget_fallbacks"] > 0 and summary["kill_switch_fallbacks"] > 0, summary
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every step with prefill planned
+
+
+def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
+    """idle_capture through `vllm serve` (the tiny checkpoint, 16 sequences, a 128-token step
+    budget): ready as with lazy capture; then, with no request, the engine core captures every
+    key (the token buckets, then the decode keys) one per idle wait; then 64 requests arriving
+    over ~2 s all complete, every step replayed, with no capture while serving."""
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / "tiny-idle"), head_dim=64)
+    vocab = json.loads((tmp_path / "tiny-idle" / "config.json").read_text())["vocab_size"]
+    log = str(tmp_path / "serve.log")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, 300))]
+               for _ in range(64)]
+    args = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
+            "128", "--enable-chunked-prefill", "--additional-config",
+            json.dumps({"moe_graphs": {"idle_capture": True}}), *serve_memory_args(0.5))
+    with vllm_serve(path, None, log, args=args) as base:
+        lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
+                 or "graphed too (mixed_graphs)" in ln]
+        decode = int(re.search(r"\((\d+) decode keys", lines[0]).group(1))
+        tokens = len(re.search(r"token buckets \[([^\]]*)\]", lines[1]).group(1).split(","))
+        t0 = time.monotonic()
+        idle = poll_metrics(base, "every key captured while idle",
+                            lambda t: metric(t, "moe_graphs_captures_total") >= decode + tokens)
+        idle_s = time.monotonic() - t0
+
+        def one(i: int) -> bool:
+            time.sleep(i * 0.03)
+            body = {"model": path, "prompt": prompts[i], "max_tokens": 64, "temperature": 0.0,
+                    "ignore_eos": True}
+            return post_json(base + "/v1/completions", body, timeout=300)["usage"][
+                "completion_tokens"] == 64
+
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            done = list(pool.map(one, range(64)))
+        text = get(base + "/metrics")
+    summary = {"keys": decode + tokens, "decode_keys": decode, "token_keys": tokens,
+               "captured_while_idle": metric(idle, "moe_graphs_captures_total"),
+               "idle_capture_s": round(idle_s, 1),
+               "captures_after_traffic": metric(text, "moe_graphs_captures_total"),
+               "complete": sum(done), "fallbacks": metric(text, "moe_graphs_eager_fallbacks_total"),
+               **{f"replays_{k}": metric(text, "moe_graphs_replays_total", kind=k)
+                  for k in ("decode", "mixed", "prefill")},
+               "idle_capture_off": any("idle_capture off" in ln for ln in open(log)),
+               "log_tail": tail(log, 15)}
+    report("serve-idle-capture", summary)
+    assert summary["captured_while_idle"] == summary["keys"], summary
+    assert summary["complete"] == 64 and not summary["idle_capture_off"], summary
+    assert summary["captures_after_traffic"] == summary["keys"], summary  # none while serving
+    assert summary["fallbacks"] == 0 and summary["replays_decode"] > 0, summary
+    assert summary["replays_mixed"] + summary["replays_prefill"] > 0, summary

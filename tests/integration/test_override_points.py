@@ -652,25 +652,22 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
 
 
-def test_precapture_captures_every_token_bucket_with_mixed_graphs():
-    """precapture with mixed_graphs: before the decode keys, one key per token bucket, largest
-    first, each from vLLM's _dummy_run of one-token requests (as many as the key's padded
-    requests) that the plan pads to the key's tokens as a non-uniform FULL batch, the varlen
-    kernel's tile planned from the bucket; a real mixed step then replays without capture."""
+def _mixed_precapture_runner():
+    """The stepping runner with token buckets 8 and 16 and decode buckets 2 and 4 at one context
+    bucket (2048), vLLM's _dummy_run stood in: each FULL run (a capture) is recorded in `calls`
+    as (tokens, uniform, profile_seq_lens), then as the padded step it was planned as (tokens,
+    requests, uniform); eager runs (the kernel warm-up) do nothing. Returns (runner, capture,
+    CUDAGraphMode, plan recorder, calls)."""
     import dataclasses
     import types
 
     import torch
-
-    from vllm_moe_graphs.graphs.buckets import GraphKey
-    from vllm_moe_graphs.graphs.kinds import StepKind
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=3)
     _mixed_graphs_on(r, token_buckets=(8, 16))
     graphs = r.moe_graphs.graphs
     graphs.config = dataclasses.replace(graphs.config, decode_batch_buckets=(2, 4),
                                         context_buckets=(2048,))
-    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, precapture=True)
     builder = _PlanRecorder()
     r.moe_graphs.metadata_builders = [builder]
     calls = []
@@ -690,11 +687,30 @@ def test_precapture_captures_every_token_bucket_with_mixed_graphs():
     r.max_model_len = 2048
     r.max_num_tokens, r.input_batch.block_table = 16, types.SimpleNamespace(
         compute_slot_mapping=lambda *a: None)
+    return r, capture, mode_enum, builder, calls
+
+
+# key (16, 0, 4) from 4 one-token requests padded to 16 tokens, then (8, 0, 4), then the decode
+# keys (4 and 2 rows at the 2048 context bucket)
+PRECAPTURE_CALLS = [(4, False, 1), (16, 4, False), (4, False, 1), (8, 4, False),
+                    (4, True, 2048), (4, 4, True), (2, True, 2048), (2, 2, True)]
+
+
+def test_precapture_captures_every_token_bucket_with_mixed_graphs():
+    """precapture with mixed_graphs: before the decode keys, one key per token bucket, largest
+    first, each from vLLM's _dummy_run of one-token requests (as many as the key's padded
+    requests) that the plan pads to the key's tokens as a non-uniform FULL batch, the varlen
+    kernel's tile planned from the bucket; a real mixed step then replays without capture."""
+    import dataclasses
+
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.graphs.kinds import StepKind
+
+    r, capture, mode_enum, builder, calls = _mixed_precapture_runner()
+    graphs = r.moe_graphs.graphs
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, precapture=True)
     r.capture_model()
-    # key (16, 0, 4) from 4 one-token requests padded to 16 tokens, then (8, 0, 4), then the
-    # decode keys (4 and 2 rows at the 2048 context bucket)
-    assert calls == [(4, False, 1), (16, 4, False), (4, False, 1), (8, 4, False),
-                     (4, True, 2048), (4, 4, True), (2, True, 2048), (2, 2, True)]
+    assert calls == PRECAPTURE_CALLS
     assert (None, 16) in builder.planned and (None, 8) in builder.planned
     assert set(graphs.keys) == {GraphKey(16, 0, 4), GraphKey(8, 0, 4), GraphKey(4, 2048),
                                 GraphKey(2, 2048)}
@@ -703,6 +719,28 @@ def test_precapture_captures_every_token_bucket_with_mixed_graphs():
     assert mode is mode_enum.FULL and (desc.num_tokens, desc.num_reqs) == (8, 4)
     assert capture.captures == 4 and capture.replays >= 1
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+
+
+def test_idle_capture_takes_one_key_per_call_in_precapture_order():
+    """idle_capture: each call of the worker's RPC (the engine core's idle hook) makes the next
+    dummy run precapture would and captures that key, and says whether a key is left; the
+    keys then replay real steps; a key with a graph is not captured again."""
+    import dataclasses
+    import types
+
+    from vllm_moe_graphs.integration.worker import MoeGraphsWorker
+
+    r, capture, mode_enum, _, calls = _mixed_precapture_runner()
+    worker = types.SimpleNamespace(model_runner=r)
+    assert not MoeGraphsWorker.moe_graphs_idle_capture(worker), "idle_capture off: nothing"
+    assert capture.captures == 0
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, idle_capture=True)
+    answers = [MoeGraphsWorker.moe_graphs_idle_capture(worker) for _ in range(5)]
+    assert answers == [True, True, True, False, False], answers
+    assert calls == PRECAPTURE_CALLS and capture.captures == 4
+    mode, desc, out = _step(r, 3, [1, 1, 1])  # a decode step of 3: key (4, 2048), no capture
+    assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4
+    assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
 
 
 def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):

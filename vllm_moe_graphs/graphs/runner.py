@@ -125,6 +125,13 @@ class DecodeGraphRunner:
         keys = all_keys(self.config.decode_batch_buckets, self.config.context_buckets)
         return tuple(sorted({self._shared(k) for k in keys}, reverse=True))
 
+    def capturable(self, keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:
+        """`keys`, in order, that have no live graph and whose capture nothing denies now
+        (quarantine, the storage, the budget, no CUDA, the kill switch)."""
+        if self._kill is not None and self._kill.active():
+            return ()
+        return tuple(k for k in keys if self._capture_denied(k) is None)
+
     def describe(self) -> list[str]:
         """What the runner will graph, for the start-up log."""
         c = self.config

@@ -52,24 +52,45 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
                 "steps with prefill tokens)", len(keys), len(decode), len(mixed))
     start = time.perf_counter()
     for i, key in enumerate(keys):
-        with lifecycle.capturing(key):
-            if key.decode:
-                # NOTE: every row at the key's context bucket, as a real step of that key
-                # would plan it (the decode kernel's split count is a function of the
-                # bucket). vLLM's capture flag would plan every key for max_model_len.
-                runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                                  uniform_decode=True, skip_eplb=True, remove_lora=False,
-                                  is_graph_capturing=False,
-                                  profile_seq_lens=key.context_bucket)  # <= max_model_len
-            else:  # request_bucket one-token requests (<= max_num_seqs), padded to the key;
-                # each a one-token sequence (a longer dummy context could pass max_model_len)
-                runner._dummy_run(key.request_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                                  uniform_decode=False, skip_eplb=True, remove_lora=False,
-                                  is_graph_capturing=False, profile_seq_lens=1)
+        capture_key(runner, lifecycle, key)
         if (i + 1) % 8 == 0 or i + 1 == len(keys):
             logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
                         time.perf_counter() - start)
     return graphs.pool_bytes
+
+
+def capture_key(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle, key: GraphKey) -> None:
+    """Capture `key` from vLLM's dummy batch of it (a failure quarantines the key). Its slot
+    mapping is -1 (no KV write), so it may run between steps too."""
+    with lifecycle.capturing(key):
+        if key.decode:
+            # NOTE: every row at the key's context bucket, as a real step of that key would
+            # plan it (the decode kernel's split count is a function of the bucket). vLLM's
+            # capture flag would plan every key for max_model_len.
+            runner._dummy_run(key.batch_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                              uniform_decode=True, skip_eplb=True, remove_lora=False,
+                              is_graph_capturing=False,
+                              profile_seq_lens=key.context_bucket)  # <= max_model_len
+        else:  # request_bucket one-token requests (<= max_num_seqs), padded to the key; each
+            # a one-token sequence (a longer dummy context could pass max_model_len)
+            runner._dummy_run(key.request_bucket, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                              uniform_decode=False, skip_eplb=True, remove_lora=False,
+                              is_graph_capturing=False, profile_seq_lens=1)
+
+
+def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> bool:
+    """`idle_capture`, called while the engine waits for requests: capture the first key, in
+    precapture's order, that has no graph and may be captured now; returns whether another
+    one remains (False: nothing to do until something changes, e.g. graphs dropped)."""
+    graphs = lifecycle.graphs
+    if not lifecycle.config.idle_capture or graphs is None or graphs.closed:
+        return False
+    pending = graphs.capturable(graphs.mixed_keys() + graphs.all_keys())
+    if not pending:
+        return False
+    capture_key(runner, lifecycle, pending[0])
+    lifecycle.publish()
+    return len(pending) > 1
 
 
 def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,

@@ -83,8 +83,8 @@ class MoeGraphsWorker(Worker):
 
     def init_device(self) -> None:
         if self.use_v2_model_runner:
-            logger.warning("moe_graphs: vLLM picked the V2 model runner; the plugin's graphs stay off "
-                           "(set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner)")
+            logger.warning("moe_graphs: vLLM picked the V2 model runner; the plugin's graphs "
+                           "stay off (set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner)")
             super().init_device()
             return
         frozen, seconds = freeze_import_heap()
@@ -100,3 +100,11 @@ class MoeGraphsWorker(Worker):
                 f"vllm.v1.worker.gpu_model_runner.{runner_class.RUNNER_ATTRIBUTE} when it "
                 "builds the runner. Set "
                 "MOE_GRAPHS_DISABLE=1 to run stock vLLM.")
+
+    def moe_graphs_idle_capture(self) -> bool:
+        """One capture while the engine waits for requests (`idle_capture`; called through
+        `collective_rpc` by `patch/engine_core_idle.py`); returns whether more remain."""
+        from vllm_moe_graphs.integration.precapture import idle_capture_one
+
+        lifecycle = getattr(self.model_runner, "moe_graphs", None)
+        return lifecycle is not None and idle_capture_one(self.model_runner, lifecycle)

@@ -5,6 +5,7 @@
 | platform_config.py | `<current platform>.check_and_update_config` | validate `additional_config["moe_graphs"]` and compute the config-time capability in process 0, before any engine process starts or the model loads | vLLM offers a config-validation hook for general plugins |
 | vllm_config_post_init.py | `vllm.config.VllmConfig.__post_init__` | for an eligible setup, select our worker, backend and capture (vLLM's off) *before* vLLM derives custom ops, IR op priorities and capture sizes from them | vLLM offers a pre-finalisation config hook for general plugins |
 | worker_base_init.py | `vllm.v1.worker.worker_base.WorkerBase.__init__` | record capability and info metrics in every worker process (also where the plugin does not take over, e.g. CPU), with the rank; runs after plugins load in that process | vLLM offers a per-worker plugin hook |
+| engine_core_idle.py | `vllm.v1.engine.core.EngineCoreProc._process_input_queue` (in the engine core process only) | with `idle_capture`, capture the keys traffic has not reached while the engine core waits for requests (a cached config check otherwise) | vLLM offers an idle hook to plugins |
 
 Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
 signature of what it wraps first, and calls the original unchanged.
@@ -31,13 +32,14 @@ PATCHED_ATTR = "__moe_graphs_patched__"
 def apply_all() -> list[str]:
     """Apply every patch; return the names of what was patched now."""
     from vllm_moe_graphs.integration.patch import (
+        engine_core_idle,
         platform_config,
         vllm_config_post_init,
         worker_base_init,
     )
 
     applied = []
-    for module in (vllm_config_post_init, platform_config, worker_base_init):
+    for module in (vllm_config_post_init, platform_config, worker_base_init, engine_core_idle):
         name = module.apply()
         if name:
             applied.append(name)
