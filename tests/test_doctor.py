@@ -173,6 +173,16 @@ def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
     assert "steps with prefill tokens: eager (mixed_graphs is off" in out
 
 
+def test_doctor_says_when_graphs_are_captured(capsys):
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert "graphs are captured: lazily, on a key's first use after 1 eager warm-up step(s)" in out
+    assert doctor.capture_lines(PluginConfig(idle_capture=True)) == [
+        "graphs are captured: while the engine waits for requests (idle_capture), or lazily on "
+        "a key's first use after 1 eager warm-up step(s), whichever comes first"]
+    assert doctor.capture_lines(PluginConfig(precapture=True, idle_capture=True)) == [
+        "graphs are captured: all at start-up (precapture)"]
+
+
 @pytest.mark.parametrize("section,problem,kernel", [
     ({}, None, "FlashAttention 3 (prefill_attention auto)"),
     ({"prefill_attention": "flash_attn"}, None, "FlashAttention 3 (prefill_attention flash_attn)"),

@@ -80,6 +80,21 @@ def prefill_steps_lines(cfg: PluginConfig, fa3_problem: str | None) -> list[str]
     return [f"steps with prefill tokens: {how}", f"  their attention: {kernel}"]
 
 
+def capture_lines(cfg: PluginConfig) -> list[str]:
+    """When graphs will be captured under plugin config `cfg`."""
+    if cfg.precapture:
+        when = "all at start-up (precapture)"
+    elif cfg.idle_capture:
+        when = (f"while the engine waits for requests (idle_capture), or lazily on a key's "
+                f"first use after {cfg.warmup_steps} eager warm-up step(s), whichever comes "
+                "first")
+    else:
+        when = (f"lazily, on a key's first use after {cfg.warmup_steps} eager warm-up step(s) "
+                "(\"idle_capture\": true captures them while the engine waits for requests, "
+                "\"precapture\": true at start-up)")
+    return [f"graphs are captured: {when}"]
+
+
 def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
     """Whether the padding rows of padded steps will skip the MoE experts under plugin config
     `cfg` (none for a dense model, `num_experts` None)."""
@@ -118,7 +133,7 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    steps = prefill + moe_padding_lines(cfg, hf.get("num_experts"))
+    steps = prefill + capture_lines(cfg) + moe_padding_lines(cfg, hf.get("num_experts"))
     return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
 
 

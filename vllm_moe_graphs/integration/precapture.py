@@ -44,7 +44,9 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
     warm_up_kernels(runner, graphs, decode_keys=not config.precapture)
     if not config.precapture:
         logger.info("moe_graphs: graphs are captured lazily, on first use of each key "
-                    "after %d warm-up steps", config.warmup_steps)
+                    "after %d warm-up steps%s", config.warmup_steps,
+                    ", or while the engine waits for requests (idle_capture)"
+                    if config.idle_capture else "")
         return 0
     mixed, decode = graphs.mixed_keys(), graphs.all_keys()
     keys = mixed + decode
