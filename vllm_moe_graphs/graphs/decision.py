@@ -18,8 +18,9 @@ class Action(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
-    """What one decode step does. `reason` is ELIGIBLE for REPLAY, CAPTURE and warm-up steps
-    (EAGER at the padded size, not a fallback); otherwise why the step runs eager."""
+    """What one step does (decode, or with prefill tokens: `num_reqs` counts the forward's
+    rows). `reason` is ELIGIBLE for REPLAY, CAPTURE and warm-up steps (EAGER at the padded
+    size, not a fallback); otherwise why the step runs eager."""
 
     action: Action
     key: GraphKey | None

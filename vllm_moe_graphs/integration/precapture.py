@@ -48,10 +48,10 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
                     ", or while the engine waits for requests (idle_capture)"
                     if config.idle_capture else "")
         return 0
-    mixed, decode = graphs.mixed_keys(), graphs.all_keys()
-    keys = mixed + decode
+    keys = capture_order(graphs)
+    decode = sum(k.decode for k in keys)
     logger.info("moe_graphs: pre-capturing %d graphs (precapture=true: %d decode keys, %d of "
-                "steps with prefill tokens)", len(keys), len(decode), len(mixed))
+                "steps with prefill tokens)", len(keys), decode, len(keys) - decode)
     start = time.perf_counter()
     for i, key in enumerate(keys):
         capture_key(runner, lifecycle, key)
@@ -59,6 +59,13 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
             logger.info("moe_graphs: pre-captured %d/%d (%.1f s)", i + 1, len(keys),
                         time.perf_counter() - start)
     return graphs.pool_bytes
+
+
+def capture_order(graphs: DecodeGraphRunner) -> tuple[GraphKey, ...]:
+    """Every key, in the order precapture and idle capture take them: the keys of steps with
+    prefill tokens (largest token bucket first), then the decode keys (largest batch first), so
+    that smaller graphs reuse the shared pool's memory."""
+    return graphs.mixed_keys() + graphs.all_keys()
 
 
 def capture_key(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle, key: GraphKey) -> None:
@@ -87,7 +94,7 @@ def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) ->
     graphs = lifecycle.graphs
     if not lifecycle.config.idle_capture or graphs is None or graphs.closed:
         return False
-    pending = graphs.capturable(graphs.mixed_keys() + graphs.all_keys())
+    pending = graphs.capturable(capture_order(graphs))
     if not pending:
         return False
     capture_key(runner, lifecycle, pending[0])
