@@ -21,7 +21,7 @@ import multiprocessing
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ RESERVE_S = 20.0  # kept back from --time-budget-s for writing the results
 DEFAULT_RATES: dict[str, dict[str, list[float]]] = {  # req/s, up to where each shape saturates
     "qwen3-0.6b": {"chat": [4, 16, 32, 64], "long": [2, 4, 8, 16]},
     "qwen3-8b": {"chat": [2, 4, 8, 16], "long": [0.5, 1, 2, 4]},
-    "qwen3-30b-a3b": {"chat": [4, 8, 16, 32], "long": [1, 2, 4, 6],
+    "qwen3-30b-a3b": {"chat": [4, 8, 16, 32, 48], "long": [1, 2, 4, 6],
                       "moe_offload": [0.25, 0.5]},
 }
 
@@ -128,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
                     "--server-arg=--max-num-seqs=256)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0,
                     help="longest wait for a server's /health (default: 600)")
+    ap.add_argument("--settle-timeout-s", type=float, default=300.0,
+                    help="longest wait after /health for a mode's after-ready work, e.g. "
+                    "plugin_idle_capture's captures (default: 300)")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="stop starting windows that would not end within this many seconds "
                     "(default: no limit); shared by the modes left, weighted by their expected "
@@ -153,6 +156,8 @@ class Plan:
             raise ValueError("--duration-s and --drain-timeout-s must be > 0 and --warmup-s "
                              f">= 0, got {args.duration_s}, {args.drain_timeout_s}, "
                              f"{args.warmup_s}")
+        if args.settle_timeout_s < 0:
+            raise ValueError(f"--settle-timeout-s must be >= 0, got {args.settle_timeout_s}")
         self.modes: list[ServeMode] = parse_modes(args.modes)
         self.work_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serve-bench-"))
         if args.model in MODELS:
@@ -251,6 +256,9 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                      f"{info['attention_backend']}, cudagraph {info['cudagraph_mode']}, "
                      f"compile {info['compilation_mode']}, plugin "
                      f"{'yes' if info['plugin'] else 'no'}")
+            if mode.settled_when:
+                _settle(server, mode.settled_when, args, info,
+                        lambda m: _say(t0, f"{mode.name}/{server_kind}: {m}"))
             info["warmup"] = {}
             for w, rs in kind_workloads:
                 for i, rate in enumerate(_warmup_rates(args, rs) if args.warmup_s > 0 else []):
@@ -289,6 +297,17 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
             server.stop()
             info.setdefault("attention_backend", log_facts(server.log_text())["attention_backend"])
     return rows, facts, skipped
+
+
+def _settle(server: Server, line: str, args: argparse.Namespace, info: dict[str, Any],
+            say: Callable[[str], None]) -> None:
+    """Wait for the mode's after-ready work (its log `line`): `settle_s`, the seconds from
+    ready until then, or None when it did not finish within --settle-timeout-s."""
+    settled = server.wait_for_log(line, args.settle_timeout_s)
+    info["settle_s"] = None if settled is None else round(settled, 1)
+    say(f"settled {info['settle_s']} s after ready ({line!r})" if settled is not None else
+        f"not settled within {args.settle_timeout_s:g} s after ready ({line!r}); measuring "
+        f"anyway")
 
 
 def _measure(plan: Plan, mode: ServeMode, w: Workload, rate: float, server: Server,

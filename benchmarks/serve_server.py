@@ -35,6 +35,9 @@ class ServeMode:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ready_estimate_s: float = 100.0  # start to /health on the H200, for the time budget only
     default: bool = True  # runs without --modes; False: only when named
+    # A server log line that says the work the mode does after /health is done (idle capture);
+    # the benchmark waits for it before warming up, up to --settle-timeout-s
+    settled_when: str | None = None
 
 
 def _plugin_config(**settings: Any) -> tuple[str, ...]:
@@ -66,9 +69,10 @@ SERVE_MODES: dict[str, ServeMode] = {
                   args=_plugin_config(skip_moe_padding=True), ready_estimate_s=60.0,
                   default=False),
         ServeMode("plugin_idle_capture", "on request: `plugin` with idle_capture (the keys "
-                  "traffic has not reached captured while the engine waits for requests)",
-                  args=_plugin_config(idle_capture=True), ready_estimate_s=60.0,
-                  default=False),
+                  "traffic has not reached captured while the engine waits for requests; the "
+                  "benchmark lets it finish after ready: settle_s)",
+                  args=_plugin_config(idle_capture=True), ready_estimate_s=90.0,
+                  default=False, settled_when="moe_graphs: idle capture done"),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   args=_plugin_config(prefill_attention="triton"),
@@ -156,6 +160,19 @@ class Server:
                 raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s; log "
                                    f"{self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def wait_for_log(self, text: str, timeout_s: float) -> float | None:
+        """Seconds until `text` appears in the log, None when it has not within `timeout_s`.
+        Raises RuntimeError when the server exits meanwhile."""
+        t0 = time.monotonic()
+        while text not in self.log_text():
+            if not self.alive():
+                raise RuntimeError(f"vllm serve exited while waiting for {text!r}; log "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() - t0 > timeout_s:
+                return None
+            time.sleep(0.5)
+        return time.monotonic() - t0
 
     def stop(self) -> None:
         """SIGINT to the group, SIGKILL after 30 s; returns once every process of the group

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -22,7 +23,7 @@ from benchmarks.load import (
     rate_label,
     summarize,
 )
-from benchmarks.serve_server import log_facts, step_counters, step_shares
+from benchmarks.serve_server import SERVE_MODES, Server, log_facts, step_counters, step_shares
 from tests.serve_util import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,6 +170,31 @@ def _row(mode, rate, ttft, tpot, otps, workload="chat"):
             "completed": 10, "failed": 0, "ttft_ms": d(ttft), "tpot_ms": d(tpot),
             "itl_ms": d(tpot), "e2e_ms": d(ttft + 100 * tpot), "send_lag_ms": d(0.5),
             "output_tokens_per_s": otps, "requests_per_s": 1.0, "steps": {}}
+
+
+def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_path):
+    """plugin_idle_capture settles on the plugin's "idle capture done" line: the wait returns
+    once the line is in the log, None when it is not within the timeout, and raises when the
+    server exits meanwhile."""
+    line = SERVE_MODES["plugin_idle_capture"].settled_when
+    assert line == "moe_graphs: idle capture done"
+    log = tmp_path / "serve.log"
+    log.write_text("INFO: Application startup complete.\n")
+    server = Server(tmp_path, [], {}, log)
+    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                    start_new_session=True)
+    try:
+        assert server.wait_for_log(line, 0.6) is None
+        threading.Timer(0.5, lambda: log.write_text(
+            log.read_text() + "INFO moe_graphs: idle capture done: no key left to capture "
+            "(57 graphs, 0 quarantined, pool 700 MiB)\n")).start()
+        assert 0.3 < server.wait_for_log(line, 20) < 15
+    finally:
+        server.stop()
+    server._proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    server._proc.wait()
+    with pytest.raises(RuntimeError, match="exited while waiting"):
+        server.wait_for_log("never logged", 20)
 
 
 def test_ratio_keys_and_direction():

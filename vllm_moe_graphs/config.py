@@ -40,8 +40,12 @@ class PluginConfig:
     """Frozen plugin settings. Defaults are documented in docs/serving.md."""
 
     enabled: bool = True
-    # Decode batch sizes that get their own graph; a batch pads up to the next bucket.
-    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    # Decode batch sizes that get their own graph; a batch pads up to the next bucket. Up to
+    # 1024, vLLM's max_num_seqs on a GPU with 70 GiB or more (fitted to the engine's), so a
+    # saturated server's decode batches replay too; past 256 they are wide enough that 64, then
+    # 128 apart pads at most a fifth of the rows.
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256,
+                                             320, 384, 448, 512, 640, 768, 896, 1024)
     # Longest context (tokens) a graph is planned for; a batch picks the smallest bucket that
     # holds its longest sequence. Past the last bucket the batch runs eager (`context_too_long`).
     context_buckets: tuple[int, ...] = (2048, 8192, 32768, 131072)
@@ -72,8 +76,9 @@ class PluginConfig:
     # computes the logits after the forward.
     logits_in_graph: bool = True
     # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs
-    # too, one per query-token bucket (requests padded to min(token bucket, the largest decode
-    # batch bucket)); false: they run eager (`mixed_batch`) and only pure decode is graphed.
+    # too, one per query-token bucket (requests padded to min(token bucket, 256); a step with
+    # more requests to their decode batch bucket); false: they run eager (`mixed_batch`) and
+    # only pure decode is graphed.
     mixed_graphs: bool = True
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).

@@ -7,6 +7,7 @@ import pytest
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
+    MIXED_REQUESTS,
     GraphKey,
     all_keys,
     graph_config,
@@ -83,33 +84,63 @@ def test_keys_with_one_attention_plan_share_the_smallest_context_bucket():
 
 def test_decode_split_plans_leave_few_keys_on_the_h200():
     """The Qwen3-30B-A3B shape (4 KV heads) on the H200's 132 SMs, default buckets fitted to
-    vLLM's max_model_len of 40960: the split count differs by context bucket only for batches
-    up to 4, so 13 batch buckets x 4 context buckets hold 16 distinct graphs, not 52."""
-    cfg = graph_config(PluginConfig(), 256, 40960)
+    `vllm serve`'s max_num_seqs (1024) and max_model_len (40960) there: the split count
+    differs by context bucket only for batches up to 4, so 21 batch buckets x 4 context
+    buckets hold 24 distinct graphs, not 84."""
+    cfg = graph_config(PluginConfig(), 1024, 40960)
+    assert cfg.decode_batch_buckets[-1] == 1024 and len(cfg.decode_batch_buckets) == 21
     shared = shared_context_buckets(cfg.decode_batch_buckets, cfg.context_buckets,
                                     lambda b, c: choose_num_splits(b, 4, c, 132))
-    assert len(shared) == 52 and len(set(shared.items())) == 52
+    assert len(shared) == 84 and len(set(shared.items())) == 84
     keys = {(b, c) for (b, _), c in shared.items()}
-    assert len(keys) == 16, sorted(keys)
+    assert len(keys) == 24, sorted(keys)
     assert {c for (b, c) in keys if b >= 8} == {2048}
     assert shared[(1, 40960)] == 8192 and shared[(4, 32768)] == 8192
+    assert shared[(1024, 40960)] == 2048
+
+
+def test_default_decode_buckets_pad_wide_batches_by_at_most_a_fifth():
+    buckets = PluginConfig().decode_batch_buckets
+    for batch in range(257, 1025):
+        bucket = pick_bucket(batch, buckets)
+        assert (bucket - batch) / bucket < 0.2, (batch, bucket)
 
 
 def test_pick_mixed_key():
     tokens = (16, 64, 256)
-    # one key per token bucket: requests padded to min(bucket, max_requests), whatever the mix
-    assert pick_mixed_key(6, 2, tokens, 8) == pick_mixed_key(16, 8, tokens, 8) \
+    # one key per token bucket: requests padded to min(bucket, MIXED_REQUESTS, the largest
+    # request bucket), whatever the mix
+    assert pick_mixed_key(6, 2, tokens, (4, 8)) == pick_mixed_key(16, 8, tokens, (4, 8)) \
         == GraphKey(16, 0, 8)
-    assert pick_mixed_key(6, 2, tokens, 32) == pick_mixed_key(16, 16, tokens, 32) \
+    assert pick_mixed_key(6, 2, tokens, (8, 32)) == pick_mixed_key(16, 16, tokens, (8, 32)) \
         == GraphKey(16, 0, 16)  # never more requests than tokens
-    assert pick_mixed_key(64, 5, tokens, 8) == pick_mixed_key(40, 1, tokens, 8) \
+    assert pick_mixed_key(64, 5, tokens, (8,)) == pick_mixed_key(40, 1, tokens, (8,)) \
         == GraphKey(64, 0, 8)
-    assert pick_mixed_key(257, 2, tokens, 8) is Reason.STEP_TOO_LARGE
-    assert pick_mixed_key(200, 9, tokens, 8) is Reason.BATCH_TOO_LARGE
-    key = pick_mixed_key(6, 2, tokens, 8)
+    assert pick_mixed_key(257, 2, tokens, (8,)) is Reason.STEP_TOO_LARGE
+    assert pick_mixed_key(200, 9, tokens, (4, 8)) is Reason.BATCH_TOO_LARGE
+    key = pick_mixed_key(6, 2, tokens, (8,))
     assert not key.decode and GraphKey(16, 2048).decode and key != GraphKey(16, 0)
     with pytest.raises(ValueError, match="num_tokens >= num_reqs"):
-        pick_mixed_key(1, 2, tokens, 8)
+        pick_mixed_key(1, 2, tokens, (8,))
+
+
+def test_a_mixed_step_past_mixed_requests_pads_to_its_request_bucket():
+    """A saturated server's step: a decode batch wider than MIXED_REQUESTS plus a prefill
+    chunk takes a key padded to the decode batch bucket of its requests (at most the token
+    bucket); up to MIXED_REQUESTS requests every step of a token bucket shares one key."""
+    tokens = (256, 512, 1024, 8192)
+    requests = PluginConfig().decode_batch_buckets
+    assert MIXED_REQUESTS == 256
+    assert pick_mixed_key(8000, 256, tokens, requests) == GraphKey(8192, 0, 256)
+    assert pick_mixed_key(8000, 257, tokens, requests) == GraphKey(8192, 0, 320)
+    assert pick_mixed_key(8000, 700, tokens, requests) == GraphKey(8192, 0, 768)
+    assert pick_mixed_key(500, 300, tokens, requests) == GraphKey(512, 0, 320)
+    assert pick_mixed_key(500, 500, tokens, requests) == GraphKey(512, 0, 512)
+    assert pick_mixed_key(1000, 1000, tokens, requests) == GraphKey(1024, 0, 1024)
+    assert pick_mixed_key(8000, 1025, tokens, requests) is Reason.BATCH_TOO_LARGE
+    # fitted to a smaller max_num_seqs, the largest request bucket caps every key
+    assert pick_mixed_key(8000, 48, tokens, (16, 48)) == GraphKey(8192, 0, 48)
+    assert pick_mixed_key(8000, 49, tokens, (16, 48)) is Reason.BATCH_TOO_LARGE
 
 
 def test_graph_config_fits_token_buckets_to_the_token_budget():

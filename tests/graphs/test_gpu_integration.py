@@ -529,6 +529,36 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 
 
+def test_wide_batches_replay_and_match_kill_switch(tmp_path):
+    """Steps of more than 256 requests, as a saturated `vllm serve` runs them (max_num_seqs is
+    1024 on the H200): 640 prompts submitted at once, an 8192-token step budget. The steps that
+    prefill the later prompts next to the earlier ones' decode rows carry more than 256
+    requests (keys padded to their decode batch bucket), the decode steps take the buckets
+    past 256; `warmup_steps: 0` captures each key at first sight, so even a key met once
+    replays. Graphs vs the kill switch: token-identical."""
+    model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
+    kwargs = _llm_kwargs(model, load_format="dummy", max_num_seqs=640,
+                         max_num_batched_tokens=8192,
+                         additional_config={"moe_graphs": {"warmup_steps": 0}})
+    result = run_engine(tmp_path, "wide", kwargs, _prompts(vocab, 640), parity_phases((640,)),
+                        max_tokens=32)
+    summary = check_parity(result)
+    keys = result["graph_keys"]
+    summary["wide_decode_buckets"] = sorted({b for b, _, r in keys if r == 0 and b > 256})
+    summary["wide_mixed_keys"] = sorted([b, r] for b, _, r in keys if r > 256)
+    summary["mixed_replays"] = _delta(result["phases"], 0, "moe_graphs_replays_total",
+                                      kind="mixed")
+    report("parity-wide-batches", summary)
+    (row,) = summary["rows"]
+    assert summary["mode_graphs"] == 1, summary["log_lines"]
+    assert row["identical_sequences"] == row["sequences"] == 640, row
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert row["kill_switch_fallbacks"] > 0, row
+    assert row["mean_top1_logprob"] > -10.5, f"flat logits: comparison vacuous ({row})"
+    assert 640 in summary["wide_decode_buckets"], keys
+    assert summary["wide_mixed_keys"] and summary["mixed_replays"] > 0, summary
+
+
 def test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager(tmp_path):
     """prefill_attention flash_attn (experimental): steps with prefill tokens attend through
     vLLM's FlashAttention 3 with its schedule planned outside the graph; the `run_mixed`
@@ -890,10 +920,12 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
                **{f"replays_{k}": metric(text, "moe_graphs_replays_total", kind=k)
                   for k in ("decode", "mixed", "prefill")},
                "idle_capture_off": any("idle_capture off" in ln for ln in open(log)),
+               "done_logged": sum("idle capture done: no key left" in ln for ln in open(log)),
                "log_tail": tail(log, 15)}
     report("serve-idle-capture", summary)
     assert summary["captured_while_idle"] == summary["keys"], summary
     assert summary["complete"] == 64 and not summary["idle_capture_off"], summary
+    assert summary["done_logged"] == 1, summary  # the line the serving benchmark waits for
     assert summary["captures_after_traffic"] == summary["keys"], summary  # none while serving
     assert summary["fallbacks"] == 0 and summary["replays_decode"] > 0, summary
     assert summary["replays_mixed"] + summary["replays_prefill"] > 0, summary

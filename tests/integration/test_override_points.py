@@ -721,11 +721,13 @@ def test_precapture_captures_every_token_bucket_with_mixed_graphs():
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
 
 
-def test_idle_capture_takes_one_key_per_call_in_precapture_order():
+def test_idle_capture_takes_one_key_per_call_in_precapture_order(caplog):
     """idle_capture: each call of the worker's RPC (the engine core's idle hook) makes the next
     dummy run precapture would and captures that key, and says whether a key is left; the
-    keys then replay real steps; a key with a graph is not captured again."""
+    call that captures the last key logs that idle capture is done, once; the keys then
+    replay real steps; a key with a graph is not captured again."""
     import dataclasses
+    import logging
     import types
 
     from vllm_moe_graphs.integration.worker import MoeGraphsWorker
@@ -735,8 +737,12 @@ def test_idle_capture_takes_one_key_per_call_in_precapture_order():
     assert not MoeGraphsWorker.moe_graphs_idle_capture(worker), "idle_capture off: nothing"
     assert capture.captures == 0
     r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, idle_capture=True)
-    answers = [MoeGraphsWorker.moe_graphs_idle_capture(worker) for _ in range(5)]
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        answers = [MoeGraphsWorker.moe_graphs_idle_capture(worker) for _ in range(5)]
     assert answers == [True, True, True, False, False], answers
+    done = [m.getMessage() for m in caplog.records if "idle capture done" in m.getMessage()]
+    assert done == ["moe_graphs: idle capture done: no key left to capture (4 graphs, 0 "
+                    "quarantined, pool 4 MiB)"], done
     assert calls == PRECAPTURE_CALLS and capture.captures == 4
     mode, desc, out = _step(r, 3, [1, 1, 1])  # a decode step of 3: key (4, 2048), no capture
     assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4

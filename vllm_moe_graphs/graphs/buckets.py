@@ -2,10 +2,10 @@
 
 A pure-decode step's graph is keyed by `GraphKey(batch_bucket, context_bucket)`: the padded
 batch size it was captured for and the longest context its attention plan covers. A step that
-carries prefill tokens (`mixed_graphs`) is keyed by its padded query tokens alone,
+carries prefill tokens (`mixed_graphs`) is keyed by its padded query tokens,
 `GraphKey(token_bucket, 0, request_bucket)` with `request_bucket` a function of the token
-bucket (`pick_mixed_key`): one graph serves every mix of requests within its tokens, and the
-varlen attention kernel has no context-dependent plan. Pure functions over host ints; nothing
+bucket up to `MIXED_REQUESTS` requests (`pick_mixed_key`): one graph serves every mix of
+requests within its tokens, and the varlen attention kernel has no context-dependent plan. Pure functions over host ints; nothing
 here touches a tensor.
 """
 
@@ -17,6 +17,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import PluginConfig
+
+# Requests a key of steps with prefill tokens holds by default (fewer when its token bucket is
+# smaller): steps below saturation carry fewer, so one graph per token bucket serves them; a
+# step with more (a saturated server's long decode batch plus a prefill chunk) takes a key padded
+# to the decode batch bucket of its requests, captured when such a step first comes. Padded
+# requests cost the attention's scheduler a few empty entries each, so the default stays small.
+MIXED_REQUESTS = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -59,23 +66,30 @@ def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
 
 
 def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
-                   max_requests: int) -> GraphKey | Reason:
+                   request_buckets: Sequence[int]) -> GraphKey | Reason:
     """The key a step with prefill tokens (`num_tokens` query tokens of `num_reqs` requests)
-    pads into: its token bucket, with requests padded to min(token bucket, `max_requests`).
-    Every request has a query token, so that holds any step of the bucket: the key, and with
-    it the attention grid and vLLM's request-indexed buffers, is a function of the token
-    bucket alone (one graph per token bucket, not per token x request pair; a padded request
-    has no query token and its attention programs exit at once). `Reason.STEP_TOO_LARGE` past
-    the last token bucket, `Reason.BATCH_TOO_LARGE` past `max_requests`."""
+    pads into: its token bucket, with requests padded to min(token bucket, MIXED_REQUESTS)
+    when they fit, as every step below saturation does; past that, to the request bucket
+    (`request_buckets`: the decode batch buckets) that holds them, still at most the token
+    bucket. Every request has a query token, so the key, and with it the attention grid and
+    vLLM's request-indexed buffers, is a function of the token bucket alone up to
+    MIXED_REQUESTS requests (one graph per token bucket, not per token x request pair; a
+    padded request has no query token and its attention programs exit at once).
+    `Reason.STEP_TOO_LARGE` past the last token bucket, `Reason.BATCH_TOO_LARGE` past the last
+    request bucket."""
     if num_reqs < 1 or num_tokens < num_reqs:
         raise ValueError(f"num_tokens={num_tokens!r}, num_reqs={num_reqs!r}: need "
                          "num_tokens >= num_reqs >= 1")
     tokens = pick_bucket(num_tokens, token_buckets)
     if tokens is None:
         return Reason.STEP_TOO_LARGE
-    if num_reqs > max_requests:
+    base = min(tokens, MIXED_REQUESTS, request_buckets[-1])
+    if num_reqs <= base:
+        return GraphKey(tokens, 0, base)
+    requests = pick_bucket(num_reqs, request_buckets)
+    if requests is None:
         return Reason.BATCH_TOO_LARGE
-    return GraphKey(tokens, 0, min(tokens, max_requests))
+    return GraphKey(tokens, 0, min(tokens, requests))
 
 
 def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tuple[GraphKey, ...]:

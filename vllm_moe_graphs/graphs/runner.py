@@ -34,7 +34,8 @@ import torch
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
-    DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key, shared_context_buckets)
+    MIXED_REQUESTS, DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key,
+    shared_context_buckets)
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
 from vllm_moe_graphs.graphs.decision import Action, Decision
 from vllm_moe_graphs.graphs.kinds import StepKind
@@ -142,14 +143,16 @@ class DecodeGraphRunner:
         if c.mixed_graphs:
             lines.append(f"steps with prefill tokens graphed too (mixed_graphs): token buckets "
                          f"{list(c.token_buckets)}, requests padded to min(token bucket, "
-                         f"{c.decode_batch_buckets[-1]})")
+                         f"{min(MIXED_REQUESTS, c.decode_batch_buckets[-1])}), more requests "
+                         f"to their decode batch bucket")
         return lines
 
     def mixed_keys(self) -> tuple[GraphKey, ...]:
-        """With `mixed_graphs`, the key of every token bucket, largest first (none without)."""
+        """With `mixed_graphs`, the key of every token bucket for the steps below saturation
+        (at most `MIXED_REQUESTS` requests), largest first (none without)."""
         if not self.config.mixed_graphs:
             return ()
-        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets[-1]
+        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets
         return tuple(pick_mixed_key(t, 1, buckets, requests) for t in sorted(buckets, reverse=True))
 
     def output(self, key: GraphKey) -> torch.Tensor | None:
@@ -187,7 +190,7 @@ class DecodeGraphRunner:
                 key = self._shared(key)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
-                                 self.config.decode_batch_buckets[-1])
+                                 self.config.decode_batch_buckets)
         killed = self._kill is not None and self._kill.active()
         if isinstance(key, Reason):
             return Decision(Action.EAGER, None, Reason.KILL_SWITCH if killed else key, num_reqs)
