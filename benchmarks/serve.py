@@ -29,8 +29,9 @@ from typing import Any
 from benchmarks import serve_report as report
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
-from benchmarks.serve_server import DEFAULT_MODES, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, \
-    ServeMode, log_facts, parse_modes, step_shares
+from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ESTIMATE_S, \
+    OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
+    plugin_settings, settings_args, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
 
@@ -69,6 +70,20 @@ def _lengths(text: str) -> tuple[str, tuple[int, int], tuple[int, int]]:
             f"expected WORKLOAD:PMIN-PMAX:OMIN-OMAX, e.g. chat:128-1024:128-256, got {text!r}"
         ) from None
     return name, p, o  # type: ignore[return-value]
+
+
+def _plugin_config(text: str) -> dict[str, Any]:
+    """--plugin-config: a JSON object the plugin's own parser accepts."""
+    from vllm_moe_graphs.config import PluginConfig
+
+    try:
+        settings = json.loads(text)
+        PluginConfig.from_dict(settings)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object of moe_graphs settings, e.g. "
+            f"'{{\"skip_moe_padding\": true}}', got {text!r}: {exc}") from None
+    return settings
 
 
 def _csv(text: str) -> list[str]:
@@ -128,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
                     "--server-arg=--max-num-seqs=256)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0,
                     help="longest wait for a server's /health (default: 600)")
+    ap.add_argument("--plugin-config", type=_plugin_config, default={},
+                    help="JSON object of moe_graphs settings for every plugin mode, under each "
+                    "mode's own (e.g. '{\"skip_moe_padding\": true}' to measure candidate "
+                    "defaults as `plugin`); recorded with each server's flags (default: none)")
     ap.add_argument("--settle-timeout-s", type=float, default=300.0,
                     help="longest wait after /health for a mode's after-ready work, e.g. "
                     "plugin_idle_capture's captures (default: 300)")
@@ -194,6 +213,11 @@ class Plan:
                 w = Workload(w.name, *lengths[w.name], w.description, w.server)
             self.workloads.append((w, rates[w.name]))
         self.name = args.name or f"serve-{self.model}"
+        self.plugin_config: dict[str, Any] = args.plugin_config
+
+    def settles(self, mode: ServeMode) -> bool:
+        """Whether the mode's servers capture while idle after ready (`_settle` waits)."""
+        return bool((plugin_settings(mode, self.plugin_config) or {}).get("idle_capture"))
 
     def servers(self) -> list[str]:
         return list(dict.fromkeys(w.server for w, _ in self.workloads))
@@ -201,7 +225,8 @@ class Plan:
     def server_args(self, mode: ServeMode, server: str, extra: list[str],
                     offload_gb: float) -> list[str]:
         args = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
-                "--served-model-name", self.model, *mode.args]
+                "--served-model-name", self.model, *mode.args,
+                *settings_args(plugin_settings(mode, self.plugin_config))]
         if server == "moe_offload":
             args += ["--cpu-offload-gb", f"{offload_gb:g}", "--cpu-offload-params", "experts"]
         return args + extra
@@ -227,6 +252,7 @@ def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
     cost = 0.0
     for server in plan.servers():
         cost += mode.ready_estimate_s + (OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0)
+        cost += IDLE_CAPTURE_ESTIMATE_S if plan.settles(mode) else 0.0
         for w, rates in plan.workloads:
             if w.server == server:
                 warmups = len(_warmup_rates(args, rates)) if args.warmup_s > 0 else 0
@@ -256,8 +282,8 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                      f"{info['attention_backend']}, cudagraph {info['cudagraph_mode']}, "
                      f"compile {info['compilation_mode']}, plugin "
                      f"{'yes' if info['plugin'] else 'no'}")
-            if mode.settled_when:
-                _settle(server, mode.settled_when, args, info,
+            if plan.settles(mode):
+                _settle(server, IDLE_CAPTURE_DONE, args, info,
                         lambda m: _say(t0, f"{mode.name}/{server_kind}: {m}"))
             info["warmup"] = {}
             for w, rs in kind_workloads:

@@ -35,14 +35,31 @@ class ServeMode:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ready_estimate_s: float = 100.0  # start to /health on the H200, for the time budget only
     default: bool = True  # runs without --modes; False: only when named
-    # A server log line that says the work the mode does after /health is done (idle capture);
-    # the benchmark waits for it before warming up, up to --settle-timeout-s
-    settled_when: str | None = None
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # its `moe_graphs`
+
+    @property
+    def plugin(self) -> bool:
+        """Whether the plugin loads in this mode (stock modes set VLLM_PLUGINS=)."""
+        return "VLLM_PLUGINS" not in self.env
 
 
-def _plugin_config(**settings: Any) -> tuple[str, ...]:
-    """`vllm serve` flags setting these `moe_graphs` options."""
-    return ("--additional-config", json.dumps({"moe_graphs": settings}))
+# What the plugin logs once `idle_capture` has captured every key: a server with it settles
+# there after ready (the benchmark waits for it, `settle_s`; about 30 s on the H200 by estimate,
+# for the time budget only).
+IDLE_CAPTURE_DONE = "moe_graphs: idle capture done"
+IDLE_CAPTURE_ESTIMATE_S = 30.0
+
+
+def plugin_settings(mode: ServeMode, common: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The `moe_graphs` settings a mode's server runs with: `common` (--plugin-config) under
+    the mode's own; None for a stock mode."""
+    return {**common, **mode.settings} if mode.plugin else None
+
+
+def settings_args(settings: Mapping[str, Any] | None) -> list[str]:
+    """`vllm serve` flags setting these `moe_graphs` options (none for none)."""
+    return ["--additional-config", json.dumps({"moe_graphs": dict(settings)})] if settings \
+        else []
 
 
 SERVE_MODES: dict[str, ServeMode] = {
@@ -60,22 +77,22 @@ SERVE_MODES: dict[str, ServeMode] = {
                   env={"VLLM_PLUGINS": ""}),
         ServeMode("plugin_decode_only", "on request: `plugin` with mixed_graphs false (only "
                   "pure-decode steps graphed, steps with prefill tokens eager)",
-                  args=_plugin_config(mixed_graphs=False), ready_estimate_s=60.0, default=False),
+                  settings=dict(mixed_graphs=False), ready_estimate_s=60.0, default=False),
         ServeMode("plugin_precapture", "on request: `plugin` with precapture (every graph "
                   "captured before the server is ready, none while serving)",
-                  args=_plugin_config(precapture=True), ready_estimate_s=70.0, default=False),
+                  settings=dict(precapture=True), ready_estimate_s=70.0, default=False),
         ServeMode("plugin_skip_moe_padding", "on request: `plugin` with skip_moe_padding "
                   "(the padding rows of a padded step skip the MoE experts)",
-                  args=_plugin_config(skip_moe_padding=True), ready_estimate_s=60.0,
+                  settings=dict(skip_moe_padding=True), ready_estimate_s=60.0,
                   default=False),
         ServeMode("plugin_idle_capture", "on request: `plugin` with idle_capture (the keys "
                   "traffic has not reached captured while the engine waits for requests; the "
                   "benchmark lets it finish after ready: settle_s)",
-                  args=_plugin_config(idle_capture=True), ready_estimate_s=90.0,
-                  default=False, settled_when="moe_graphs: idle capture done"),
+                  settings=dict(idle_capture=True), ready_estimate_s=60.0,
+                  default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
-                  args=_plugin_config(prefill_attention="triton"),
+                  settings=dict(prefill_attention="triton"),
                   ready_estimate_s=60.0, default=False),
     )
 }

@@ -23,7 +23,8 @@ from benchmarks.load import (
     rate_label,
     summarize,
 )
-from benchmarks.serve_server import SERVE_MODES, Server, log_facts, step_counters, step_shares
+from benchmarks.serve_server import IDLE_CAPTURE_DONE, Server, log_facts, step_counters, \
+    step_shares
 from tests.serve_util import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,8 +177,10 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
     """plugin_idle_capture settles on the plugin's "idle capture done" line: the wait returns
     once the line is in the log, None when it is not within the timeout, and raises when the
     server exits meanwhile."""
-    line = SERVE_MODES["plugin_idle_capture"].settled_when
-    assert line == "moe_graphs: idle capture done"
+    line = IDLE_CAPTURE_DONE
+    # the plugin's own line (integration/precapture.py: idle_capture_one)
+    src = open(os.path.join(REPO, "vllm_moe_graphs", "integration", "precapture.py")).read()
+    assert '"moe_graphs: idle capture done: no key left' in src
     log = tmp_path / "serve.log"
     log.write_text("INFO: Application startup complete.\n")
     server = Server(tmp_path, [], {}, log)
@@ -226,12 +229,12 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert not [k for k in r if "_over_stock/" in k and not k.startswith("otps")]
     assert "plugin_decode_only" in serve.SERVE_MODES
     assert "plugin_decode_only" not in serve.DEFAULT_MODES
-    assert '"mixed_graphs": false' in " ".join(serve.SERVE_MODES["plugin_decode_only"].args)
-    triton = " ".join(serve.SERVE_MODES["plugin_triton_prefill"].args)
-    assert '"prefill_attention": "triton"' in triton and "mixed_graphs" not in triton
-    assert not serve.SERVE_MODES["plugin"].args  # the plugin's defaults: every step graphed
+    modes = serve.SERVE_MODES
+    assert modes["plugin_decode_only"].settings == {"mixed_graphs": False}
+    assert modes["plugin_triton_prefill"].settings == {"prefill_attention": "triton"}
+    assert not modes["plugin"].settings  # the plugin's defaults: every step graphed
     assert "plugin_triton_prefill" not in serve.DEFAULT_MODES
-    assert '"precapture": true' in " ".join(serve.SERVE_MODES["plugin_precapture"].args)
+    assert modes["plugin_precapture"].settings == {"precapture": True}
     assert "plugin_precapture" not in serve.DEFAULT_MODES
 
 
@@ -239,13 +242,43 @@ def test_every_plugin_mode_passes_a_valid_plugin_config():
     from vllm_moe_graphs.config import PluginConfig
 
     for name, mode in serve.SERVE_MODES.items():
-        args = list(mode.args)
-        if "--additional-config" not in args:
+        assert mode.plugin == name.startswith("plugin"), name
+        if not mode.settings:
             continue
-        cfg = PluginConfig.from_additional_config(
-            json.loads(args[args.index("--additional-config") + 1]))
+        cfg = PluginConfig.from_dict(mode.settings)
         assert name.startswith("plugin_") and cfg.enabled, name
         assert cfg != PluginConfig(), f"{name} sets nothing the defaults do not"
+
+
+def test_plugin_config_reaches_every_plugin_server_under_the_modes_own(tmp_path):
+    """--plugin-config: every plugin mode's server gets it (a mode's own settings win), no
+    stock server does; idle_capture in it makes the plugin's servers settle after ready."""
+    args = serve.parser().parse_args([
+        "--model", "qwen3-0.6b", "--log-dir", str(tmp_path), "--plugin-config",
+        '{"skip_moe_padding": true, "idle_capture": true, "mixed_graphs": true}'])
+    plan = serve.Plan(args)
+
+    def settings(mode):
+        a = plan.server_args(serve.SERVE_MODES[mode], "default", [], 29)
+        if "--additional-config" not in a:
+            return None
+        return json.loads(a[a.index("--additional-config") + 1])["moe_graphs"]
+
+    assert settings("plugin") == {"skip_moe_padding": True, "idle_capture": True,
+                                  "mixed_graphs": True}
+    assert settings("plugin_decode_only") == {"skip_moe_padding": True, "idle_capture": True,
+                                              "mixed_graphs": False}
+    assert settings("stock") is None and settings("stock_triton") is None
+    assert plan.settles(serve.SERVE_MODES["plugin"])
+    assert not plan.settles(serve.SERVE_MODES["stock"])
+    plain = serve.Plan(serve.parser().parse_args(["--model", "qwen3-0.6b", "--log-dir",
+                                                  str(tmp_path)]))
+    assert plain.server_args(serve.SERVE_MODES["plugin"], "default", [], 29)[-1] == "qwen3-0.6b"
+    assert not plain.settles(serve.SERVE_MODES["plugin"])
+    assert plain.settles(serve.SERVE_MODES["plugin_idle_capture"])
+    # settling counts in the time budget's estimate
+    assert serve.mode_cost_s(plan, serve.SERVE_MODES["plugin"], args) == pytest.approx(
+        serve.mode_cost_s(plain, serve.SERVE_MODES["plugin"], args) + 30.0)
 
 
 def test_saturation_is_the_latency_knee():
@@ -340,6 +373,8 @@ def test_without_gpu_fails_fast_with_the_reason(tmp_path):
     (["--model", "/nonexistent"], "neither a shipped shape"),
     (["--rates", "long:1", "--workloads", "chat"], "'long', which is not run"),
     (["--lengths", "chat:10-5:1-2"], "PMIN-PMAX"),
+    (["--plugin-config", '{"warmup_steps": -1}'], "warmup_steps"),
+    (["--plugin-config", "skip_moe_padding"], "JSON object of moe_graphs settings"),
 ])
 def test_bad_options_name_the_value(args, msg):
     proc = _cli(*args)
