@@ -77,8 +77,8 @@ class PluginConfig:
     logits_in_graph: bool = True
     # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs
     # too, one per query-token bucket (requests padded to min(token bucket, 256); a step with
-    # more requests to their decode batch bucket); false: they run eager (`mixed_batch`) and
-    # only pure decode is graphed.
+    # more requests to a power of two up to the largest decode batch bucket); false: they run
+    # eager (`mixed_batch`) and only pure decode is graphed.
     mixed_graphs: bool = True
     # Query-token counts a step with prefill tokens pads up to (mixed_graphs); fitted to the
     # engine's max_num_batched_tokens; past the last one the step runs eager (`step_too_large`).

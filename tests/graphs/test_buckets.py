@@ -108,39 +108,43 @@ def test_default_decode_buckets_pad_wide_batches_by_at_most_a_fifth():
 
 def test_pick_mixed_key():
     tokens = (16, 64, 256)
-    # one key per token bucket: requests padded to min(bucket, MIXED_REQUESTS, the largest
-    # request bucket), whatever the mix
-    assert pick_mixed_key(6, 2, tokens, (4, 8)) == pick_mixed_key(16, 8, tokens, (4, 8)) \
+    # one key per token bucket: requests padded to min(bucket, MIXED_REQUESTS, max_requests),
+    # whatever the mix
+    assert pick_mixed_key(6, 2, tokens, 8) == pick_mixed_key(16, 8, tokens, 8) \
         == GraphKey(16, 0, 8)
-    assert pick_mixed_key(6, 2, tokens, (8, 32)) == pick_mixed_key(16, 16, tokens, (8, 32)) \
+    assert pick_mixed_key(6, 2, tokens, 32) == pick_mixed_key(16, 16, tokens, 32) \
         == GraphKey(16, 0, 16)  # never more requests than tokens
-    assert pick_mixed_key(64, 5, tokens, (8,)) == pick_mixed_key(40, 1, tokens, (8,)) \
+    assert pick_mixed_key(64, 5, tokens, 8) == pick_mixed_key(40, 1, tokens, 8) \
         == GraphKey(64, 0, 8)
-    assert pick_mixed_key(257, 2, tokens, (8,)) is Reason.STEP_TOO_LARGE
-    assert pick_mixed_key(200, 9, tokens, (4, 8)) is Reason.BATCH_TOO_LARGE
-    key = pick_mixed_key(6, 2, tokens, (8,))
+    assert pick_mixed_key(257, 2, tokens, 8) is Reason.STEP_TOO_LARGE
+    assert pick_mixed_key(200, 9, tokens, 8) is Reason.BATCH_TOO_LARGE
+    key = pick_mixed_key(6, 2, tokens, 8)
     assert not key.decode and GraphKey(16, 2048).decode and key != GraphKey(16, 0)
     with pytest.raises(ValueError, match="num_tokens >= num_reqs"):
-        pick_mixed_key(1, 2, tokens, (8,))
+        pick_mixed_key(1, 2, tokens, 8)
 
 
-def test_a_mixed_step_past_mixed_requests_pads_to_its_request_bucket():
-    """A saturated server's step: a decode batch wider than MIXED_REQUESTS plus a prefill
-    chunk takes a key padded to the decode batch bucket of its requests (at most the token
-    bucket); up to MIXED_REQUESTS requests every step of a token bucket shares one key."""
-    tokens = (256, 512, 1024, 8192)
-    requests = PluginConfig().decode_batch_buckets
+def test_a_mixed_step_past_mixed_requests_pads_to_a_power_of_two():
+    """A saturated server's step: a decode batch wider than MIXED_REQUESTS next to a prefill
+    chunk takes a key whose requests are the next power of two (at most the token bucket and
+    the largest decode bucket): two more keys per token bucket at most; up to MIXED_REQUESTS
+    requests every step of a token bucket shares one key."""
+    tokens = (256, 512, 768, 1024, 8192)
     assert MIXED_REQUESTS == 256
-    assert pick_mixed_key(8000, 256, tokens, requests) == GraphKey(8192, 0, 256)
-    assert pick_mixed_key(8000, 257, tokens, requests) == GraphKey(8192, 0, 320)
-    assert pick_mixed_key(8000, 700, tokens, requests) == GraphKey(8192, 0, 768)
-    assert pick_mixed_key(500, 300, tokens, requests) == GraphKey(512, 0, 320)
-    assert pick_mixed_key(500, 500, tokens, requests) == GraphKey(512, 0, 512)
-    assert pick_mixed_key(1000, 1000, tokens, requests) == GraphKey(1024, 0, 1024)
-    assert pick_mixed_key(8000, 1025, tokens, requests) is Reason.BATCH_TOO_LARGE
-    # fitted to a smaller max_num_seqs, the largest request bucket caps every key
-    assert pick_mixed_key(8000, 48, tokens, (16, 48)) == GraphKey(8192, 0, 48)
-    assert pick_mixed_key(8000, 49, tokens, (16, 48)) is Reason.BATCH_TOO_LARGE
+    assert pick_mixed_key(8000, 256, tokens, 1024) == GraphKey(8192, 0, 256)
+    assert pick_mixed_key(8000, 257, tokens, 1024) == GraphKey(8192, 0, 512)
+    assert pick_mixed_key(8000, 700, tokens, 1024) == GraphKey(8192, 0, 1024)
+    assert pick_mixed_key(500, 300, tokens, 1024) == GraphKey(512, 0, 512)
+    assert pick_mixed_key(700, 600, tokens, 1024) == GraphKey(768, 0, 768)  # <= its tokens
+    assert pick_mixed_key(1000, 1000, tokens, 1024) == GraphKey(1024, 0, 1024)
+    assert pick_mixed_key(8000, 1025, tokens, 1024) is Reason.BATCH_TOO_LARGE
+    # fitted to a smaller max_num_seqs, the largest decode bucket caps every key
+    assert pick_mixed_key(8000, 600, tokens, 640) == GraphKey(8192, 0, 640)
+    assert pick_mixed_key(8000, 48, tokens, 48) == GraphKey(8192, 0, 48)
+    assert pick_mixed_key(8000, 49, tokens, 48) is Reason.BATCH_TOO_LARGE
+    for reqs in range(1, 1025):  # every request count fits its key, at most twice over
+        key = pick_mixed_key(8192, reqs, tokens, 1024)
+        assert reqs <= key.request_bucket <= max(256, 2 * reqs), (reqs, key)
 
 
 def test_graph_config_fits_token_buckets_to_the_token_budget():

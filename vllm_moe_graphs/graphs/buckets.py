@@ -20,9 +20,9 @@ from vllm_moe_graphs.config import PluginConfig
 
 # Requests a key of steps with prefill tokens holds by default (fewer when its token bucket is
 # smaller): steps below saturation carry fewer, so one graph per token bucket serves them; a
-# step with more (a saturated server's long decode batch plus a prefill chunk) takes a key padded
-# to the decode batch bucket of its requests, captured when such a step first comes. Padded
-# requests cost the attention's scheduler a few empty entries each, so the default stays small.
+# step with more (a saturated server's wide decode batch next to a prefill chunk) takes a key
+# padded to the next power of two of its requests, captured when such a step first comes.
+# A padded request adds no row to any GEMM, only an empty entry to the attention's schedule.
 MIXED_REQUESTS = 256
 
 
@@ -66,30 +66,29 @@ def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
 
 
 def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
-                   request_buckets: Sequence[int]) -> GraphKey | Reason:
+                   max_requests: int) -> GraphKey | Reason:
     """The key a step with prefill tokens (`num_tokens` query tokens of `num_reqs` requests)
-    pads into: its token bucket, with requests padded to min(token bucket, MIXED_REQUESTS)
-    when they fit, as every step below saturation does; past that, to the request bucket
-    (`request_buckets`: the decode batch buckets) that holds them, still at most the token
-    bucket. Every request has a query token, so the key, and with it the attention grid and
-    vLLM's request-indexed buffers, is a function of the token bucket alone up to
-    MIXED_REQUESTS requests (one graph per token bucket, not per token x request pair; a
-    padded request has no query token and its attention programs exit at once).
-    `Reason.STEP_TOO_LARGE` past the last token bucket, `Reason.BATCH_TOO_LARGE` past the last
-    request bucket."""
+    pads into: its token bucket, with requests padded to min(token bucket, MIXED_REQUESTS,
+    `max_requests`) when they fit, as every step below saturation does; past that, to the
+    next power of two that holds them (512, 1024), still at most the token bucket and
+    `max_requests` (the largest decode batch bucket). Every request has a query token, so up to
+    MIXED_REQUESTS requests the key, and with it the attention grid and vLLM's request-indexed
+    buffers, is a function of the token bucket alone (one graph per token bucket, not per token
+    x request pair; a padded request has no query token and its attention programs exit at
+    once); a wider step adds at most two keys per token bucket. `Reason.STEP_TOO_LARGE` past
+    the last token bucket, `Reason.BATCH_TOO_LARGE` past `max_requests`."""
     if num_reqs < 1 or num_tokens < num_reqs:
         raise ValueError(f"num_tokens={num_tokens!r}, num_reqs={num_reqs!r}: need "
                          "num_tokens >= num_reqs >= 1")
     tokens = pick_bucket(num_tokens, token_buckets)
     if tokens is None:
         return Reason.STEP_TOO_LARGE
-    base = min(tokens, MIXED_REQUESTS, request_buckets[-1])
-    if num_reqs <= base:
-        return GraphKey(tokens, 0, base)
-    requests = pick_bucket(num_reqs, request_buckets)
-    if requests is None:
+    if num_reqs > max_requests:
         return Reason.BATCH_TOO_LARGE
-    return GraphKey(tokens, 0, min(tokens, requests))
+    requests = min(tokens, MIXED_REQUESTS, max_requests)
+    while requests < num_reqs:  # only past MIXED_REQUESTS: num_reqs <= tokens, max_requests
+        requests *= 2
+    return GraphKey(tokens, 0, min(tokens, requests, max_requests))
 
 
 def all_keys(batch_buckets: Sequence[int], context_buckets: Sequence[int]) -> tuple[GraphKey, ...]:

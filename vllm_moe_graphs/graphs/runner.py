@@ -144,7 +144,7 @@ class DecodeGraphRunner:
             lines.append(f"steps with prefill tokens graphed too (mixed_graphs): token buckets "
                          f"{list(c.token_buckets)}, requests padded to min(token bucket, "
                          f"{min(MIXED_REQUESTS, c.decode_batch_buckets[-1])}), more requests "
-                         f"to their decode batch bucket")
+                         f"to a power of two up to {c.decode_batch_buckets[-1]}")
         return lines
 
     def mixed_keys(self) -> tuple[GraphKey, ...]:
@@ -152,7 +152,7 @@ class DecodeGraphRunner:
         (at most `MIXED_REQUESTS` requests), largest first (none without)."""
         if not self.config.mixed_graphs:
             return ()
-        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets
+        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets[-1]
         return tuple(pick_mixed_key(t, 1, buckets, requests) for t in sorted(buckets, reverse=True))
 
     def output(self, key: GraphKey) -> torch.Tensor | None:
@@ -190,7 +190,7 @@ class DecodeGraphRunner:
                 key = self._shared(key)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
-                                 self.config.decode_batch_buckets)
+                                 self.config.decode_batch_buckets[-1])
         killed = self._kill is not None and self._kill.active()
         if isinstance(key, Reason):
             return Decision(Action.EAGER, None, Reason.KILL_SWITCH if killed else key, num_reqs)
