@@ -30,7 +30,7 @@ from benchmarks import serve_report as report
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
 from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ESTIMATE_S, \
-    OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
+    IDLE_CAPTURE_ON, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
     plugin_settings, settings_args, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
@@ -328,7 +328,13 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
 def _settle(server: Server, line: str, args: argparse.Namespace, info: dict[str, Any],
             say: Callable[[str], None]) -> None:
     """Wait for the mode's after-ready work (its log `line`): `settle_s`, the seconds from
-    ready until then, or None when it did not finish within --settle-timeout-s."""
+    ready until then, or None when it did not finish within --settle-timeout-s or the server
+    does not capture while idle (its start-up log says when graphs are captured: no graphs on
+    this machine, or all of them at start-up with precapture)."""
+    if IDLE_CAPTURE_ON not in server.log_text():
+        info["settle_s"] = None
+        say("nothing to settle: the server does not capture graphs while idle (its log)")
+        return
     settled = server.wait_for_log(line, args.settle_timeout_s)
     info["settle_s"] = None if settled is None else round(settled, 1)
     say(f"settled {info['settle_s']} s after ready ({line!r})" if settled is not None else

@@ -47,6 +47,7 @@ class ServeMode:
 # there after ready (the benchmark waits for it, `settle_s`; about 30 s on the H200 by estimate,
 # for the time budget only).
 IDLE_CAPTURE_DONE = "moe_graphs: idle capture done"
+IDLE_CAPTURE_ON = "or while the engine waits for requests (idle_capture)"  # its start-up line
 IDLE_CAPTURE_ESTIMATE_S = 30.0
 
 

@@ -23,8 +23,8 @@ from benchmarks.load import (
     rate_label,
     summarize,
 )
-from benchmarks.serve_server import IDLE_CAPTURE_DONE, Server, log_facts, step_counters, \
-    step_shares
+from benchmarks.serve_server import IDLE_CAPTURE_DONE, IDLE_CAPTURE_ON, Server, log_facts, \
+    step_counters, step_shares
 from tests.serve_util import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,6 +181,7 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
     # the plugin's own line (integration/precapture.py: idle_capture_one)
     src = open(os.path.join(REPO, "vllm_moe_graphs", "integration", "precapture.py")).read()
     assert '"moe_graphs: idle capture done: no key left' in src
+    assert f'", {IDLE_CAPTURE_ON}"' in src  # the start-up line of a server that will settle
     log = tmp_path / "serve.log"
     log.write_text("INFO: Application startup complete.\n")
     server = Server(tmp_path, [], {}, log)
@@ -198,6 +199,27 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
     server._proc.wait()
     with pytest.raises(RuntimeError, match="exited while waiting"):
         server.wait_for_log("never logged", 20)
+
+
+def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("moe_graphs: graphs are captured lazily, on first use of each key after 1 "
+                   "warm-up steps\n")  # no idle_capture: no line to wait for
+    server = Server(tmp_path, [], {}, log)
+    args = serve.parser().parse_args(["--settle-timeout-s", "30"])
+    info, said = {}, []
+    serve._settle(server, IDLE_CAPTURE_DONE, args, info, said.append)
+    assert info == {"settle_s": None} and "nothing to settle" in said[0]
+    log.write_text(f"moe_graphs: graphs are captured lazily, ..., {IDLE_CAPTURE_ON}\n"
+                   f"{IDLE_CAPTURE_DONE}: no key left to capture (3 graphs, 0 quarantined, "
+                   "pool 1 MiB)\n")
+    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                    start_new_session=True)
+    try:
+        serve._settle(server, IDLE_CAPTURE_DONE, args, info, said.append)
+    finally:
+        server.stop()
+    assert info["settle_s"] is not None and info["settle_s"] < 5 and "settled" in said[1]
 
 
 def test_ratio_keys_and_direction():
