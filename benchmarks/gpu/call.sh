@@ -13,6 +13,8 @@
 #   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serve; keeps
 #                   AFTER_SERVE_S (0) for what follows
 #   SERVE2_ARGS     a second serving run (another shape or mode set): $OUT/serve2.tgz
+#   PLUGIN_CONFIG   JSON of moe_graphs settings for every plugin mode of both serving runs
+#                   (their --plugin-config, passed as one argument: spaces are fine)
 # The benchmark parts get --time-budget-s from what is left. A device call brings back at most 8
 # files: each part's output folder comes back as one archive, $OUT/{tests,kernels,decode,serve}.tgz
 # and the benchmarks' JSON and PNG files also as they are.
@@ -55,9 +57,11 @@ fi
 serve() {  # serve PART ARGS KEEP_S: one serving run, leaving KEEP_S seconds for what follows
   mkdir -p "$WORK/$1"
   budget=$(( $(left) - 20 - $3 ))
+  local extra=()
+  [ -n "${PLUGIN_CONFIG:-}" ] && extra=(--plugin-config "$PLUGIN_CONFIG")
   # shellcheck disable=SC2086
   OUT=$WORK/$1 RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
-    bash benchmarks/gpu/run.sh $2 --time-budget-s $((budget - 15)) 2>&1 | tail -60
+    bash benchmarks/gpu/run.sh $2 "${extra[@]}" --time-budget-s $((budget - 15)) 2>&1 | tail -60
   say "$1 done"
 }
 [ -n "${SERVE_ARGS:-}" ] && serve serve "$SERVE_ARGS" "${AFTER_SERVE_S:-0}"
