@@ -34,7 +34,6 @@ if [ "${1:-}" = tier ]; then
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
-    "$T::test_tiny_checkpoint_graphs_match_kill_switch_eager" \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
     + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
     "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \
@@ -46,7 +45,8 @@ if [ "${1:-}" = tier ]; then
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
     + -m gpu "$T::test_mixed_graphs_match_kill_switch_eager" \
     "$T::test_mixed_traffic_faults_keep_output_identical" \
-    "$T::test_mixed_traffic_faults_through_vllm_serve"
+    "$T::test_mixed_traffic_faults_through_vllm_serve" \
+    "$T::test_tiny_checkpoint_graphs_match_kill_switch_eager"
 fi
 lanes=() cur=""
 for a in "$@"; do
