@@ -30,8 +30,8 @@ from benchmarks import serve_report as report
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
 from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ESTIMATE_S, \
-    IDLE_CAPTURE_ON, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, parse_modes, \
-    plugin_settings, settings_args, step_shares
+    IDLE_CAPTURE_ON, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, \
+    parse_modes, plugin_settings, settings_args, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
 

@@ -534,8 +534,8 @@ def test_wide_batches_replay_and_match_kill_switch(tmp_path):
     1024 on the H200): 640 prompts submitted at once, an 8192-token step budget. The steps that
     prefill the later prompts next to the earlier ones' decode rows carry more than 256
     requests (keys padded to a power of two: 512, then max_num_seqs 640), the decode steps
-    take the buckets past 256; `warmup_steps: 0` captures each key at first sight, so even a key met once
-    replays. Graphs vs the kill switch: token-identical."""
+    take the buckets past 256; `warmup_steps: 0` captures each key at first sight, so even a
+    key met once replays. Graphs vs the kill switch: token-identical."""
     model, vocab = _shape_dir(tmp_path, "qwen3-0.6b")
     kwargs = _llm_kwargs(model, load_format="dummy", max_num_seqs=640,
                          max_num_batched_tokens=8192,

@@ -5,8 +5,8 @@ batch size it was captured for and the longest context its attention plan covers
 carries prefill tokens (`mixed_graphs`) is keyed by its padded query tokens,
 `GraphKey(token_bucket, 0, request_bucket)` with `request_bucket` a function of the token
 bucket up to `MIXED_REQUESTS` requests (`pick_mixed_key`): one graph serves every mix of
-requests within its tokens, and the varlen attention kernel has no context-dependent plan. Pure functions over host ints; nothing
-here touches a tensor.
+requests within its tokens, and the varlen attention kernel has no context-dependent plan.
+Pure functions over host ints; nothing here touches a tensor.
 """
 
 from __future__ import annotations
