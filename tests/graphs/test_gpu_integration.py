@@ -878,9 +878,11 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
 
 def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     """idle_capture through `vllm serve` (the tiny checkpoint, 16 sequences, a 128-token step
-    budget): ready as with lazy capture; then, with no request, the engine core captures every
-    key (the token buckets, then the decode keys) one per idle wait; then 64 requests arriving
-    over ~2 s all complete, every step replayed, with no capture while serving."""
+    budget, no prefix cache): ready as with lazy capture; then, with no request, the engine core
+    captures every key (the token buckets, then the decode keys) one per idle wait; then 64
+    requests arriving over ~2 s all complete, every step replayed, with no capture while
+    serving; then 8 requests one at a time (the same steps each time) give the same greedy text
+    from the idle-captured graphs as with the kill file present."""
     from tests.tiny_models import build_checkpoint
 
     path = build_checkpoint(str(tmp_path / "tiny-idle"), head_dim=64)
@@ -889,10 +891,13 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     rng = random.Random(3)
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, 300))]
                for _ in range(64)]
+    kill_file = tmp_path / "serve.kill"
     args = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
-            "128", "--enable-chunked-prefill", "--additional-config",
-            json.dumps({"moe_graphs": {"idle_capture": True}}), *serve_memory_args(0.5))
-    with vllm_serve(path, None, log, args=args) as base:
+            "128", "--enable-chunked-prefill", "--no-enable-prefix-caching",
+            "--additional-config", json.dumps({"moe_graphs": {"idle_capture": True}}),
+            *serve_memory_args(0.5))
+    with vllm_serve(path, None, log, args=args,
+                    env_extra={"MOE_GRAPHS_KILL_FILE": str(kill_file)}) as base:
         lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
                  or "graphed too (mixed_graphs)" in ln]
         decode = int(re.search(r"\((\d+) decode keys", lines[0]).group(1))
@@ -912,6 +917,19 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             done = list(pool.map(one, range(64)))
         text = get(base + "/metrics")
+
+        def sequential() -> list[str]:
+            return [post_json(base + "/v1/completions",
+                              {"model": path, "prompt": prompts[i], "max_tokens": 32,
+                               "temperature": 0.0, "ignore_eos": True},
+                              timeout=300)["choices"][0]["text"] for i in range(8)]
+
+        graphed = sequential()
+        kill_file.touch()
+        time.sleep(0.5)  # the switch is re-read at most every 100 ms
+        killed = sequential()
+        kill_file.unlink()
+        after = get(base + "/metrics")
     summary = {"keys": decode + tokens, "decode_keys": decode, "token_keys": tokens,
                "captured_while_idle": metric(idle, "moe_graphs_captures_total"),
                "idle_capture_s": round(idle_s, 1),
@@ -921,6 +939,10 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
                   for k in ("decode", "mixed", "prefill")},
                "idle_capture_off": any("idle_capture off" in ln for ln in open(log)),
                "done_logged": sum("idle capture done: no key left" in ln for ln in open(log)),
+               "sequential_identical": sum(a == b for a, b in zip(graphed, killed, strict=True)),
+               "captures_at_end": metric(after, "moe_graphs_captures_total"),
+               "kill_switch_fallbacks": metric(after, "moe_graphs_eager_fallbacks_total",
+                                               reason="kill_switch"),
                "log_tail": tail(log, 15)}
     report("serve-idle-capture", summary)
     assert summary["captured_while_idle"] == summary["keys"], summary
@@ -929,3 +951,6 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     assert summary["captures_after_traffic"] == summary["keys"], summary  # none while serving
     assert summary["fallbacks"] == 0 and summary["replays_decode"] > 0, summary
     assert summary["replays_mixed"] + summary["replays_prefill"] > 0, summary
+    # the idle-captured graphs compute what eager steps of the same keys compute
+    assert summary["sequential_identical"] == 8 and summary["kill_switch_fallbacks"] > 0, summary
+    assert summary["captures_at_end"] == summary["keys"], summary
