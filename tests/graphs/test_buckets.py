@@ -147,6 +147,25 @@ def test_a_mixed_step_past_mixed_requests_pads_to_a_power_of_two():
         assert reqs <= key.request_bucket <= max(256, 2 * reqs), (reqs, key)
 
 
+@pytest.mark.parametrize("max_num_seqs", [48, 256, 300, 640, 1024])
+def test_mixed_keys_never_pad_requests_past_max_num_seqs(max_num_seqs):
+    """vLLM's request-indexed buffers (and ours) hold max_num_seqs rows: whatever the step, a
+    key's padded requests stay within them, hold the step's requests and fit its tokens."""
+    cfg = graph_config(PluginConfig(), max_num_seqs, 40960, 8192)
+    limit = cfg.decode_batch_buckets[-1]
+    assert limit == min(max_num_seqs, 1024)
+    for num_tokens in (1, 17, 255, 256, 257, 300, 511, 640, 1000, 4097, 8192):
+        for num_reqs in sorted({1, 2, 255, 256, 257, 300, 511, 513, 640, 1000, 1024}):
+            if num_reqs > num_tokens:
+                continue
+            key = pick_mixed_key(num_tokens, num_reqs, cfg.token_buckets, limit)
+            if num_reqs > limit:
+                assert key is Reason.BATCH_TOO_LARGE
+                continue
+            assert num_reqs <= key.request_bucket <= min(limit, key.batch_bucket), (
+                num_tokens, num_reqs, key)
+
+
 def test_graph_config_fits_token_buckets_to_the_token_budget():
     cfg = PluginConfig(token_buckets=(16, 256, 4096, 8192))
     assert graph_config(cfg, 64, 4096, 2048).token_buckets == (16, 256, 2048)
