@@ -283,8 +283,7 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
                      f"compile {info['compilation_mode']}, plugin "
                      f"{'yes' if info['plugin'] else 'no'}")
             if plan.settles(mode):
-                _settle(server, IDLE_CAPTURE_DONE, args, info,
-                        lambda m: _say(t0, f"{mode.name}/{server_kind}: {m}"))
+                _settle(server, args, info, lambda m: _say(t0, f"{mode.name}/{server_kind}: {m}"))
             info["warmup"] = {}
             for w, rs in kind_workloads:
                 for i, rate in enumerate(_warmup_rates(args, rs) if args.warmup_s > 0 else []):
@@ -325,21 +324,22 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
     return rows, facts, skipped
 
 
-def _settle(server: Server, line: str, args: argparse.Namespace, info: dict[str, Any],
+def _settle(server: Server, args: argparse.Namespace, info: dict[str, Any],
             say: Callable[[str], None]) -> None:
-    """Wait for the mode's after-ready work (its log `line`): `settle_s`, the seconds from
-    ready until then, or None when it did not finish within --settle-timeout-s or the server
-    does not capture while idle (its start-up log says when graphs are captured: no graphs on
-    this machine, or all of them at start-up with precapture)."""
+    """Wait for the plugin's idle capture to finish (its IDLE_CAPTURE_DONE line): `settle_s`,
+    the seconds from ready until then, or None when it did not finish within
+    --settle-timeout-s or the server does not capture while idle (its start-up log says when
+    graphs are captured: no graphs on this machine, or all of them at start-up with
+    precapture)."""
     if IDLE_CAPTURE_ON not in server.log_text():
         info["settle_s"] = None
         say("nothing to settle: the server does not capture graphs while idle (its log)")
         return
-    settled = server.wait_for_log(line, args.settle_timeout_s)
+    settled = server.wait_for_log(IDLE_CAPTURE_DONE, args.settle_timeout_s)
     info["settle_s"] = None if settled is None else round(settled, 1)
-    say(f"settled {info['settle_s']} s after ready ({line!r})" if settled is not None else
-        f"not settled within {args.settle_timeout_s:g} s after ready ({line!r}); measuring "
-        f"anyway")
+    say(f"settled {info['settle_s']} s after ready ({IDLE_CAPTURE_DONE!r})" if settled
+        is not None else f"not settled within {args.settle_timeout_s:g} s after ready "
+        f"({IDLE_CAPTURE_DONE!r}); measuring anyway")
 
 
 def _measure(plan: Plan, mode: ServeMode, w: Workload, rate: float, server: Server,

@@ -208,7 +208,7 @@ def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
     server = Server(tmp_path, [], {}, log)
     args = serve.parser().parse_args(["--settle-timeout-s", "30"])
     info, said = {}, []
-    serve._settle(server, IDLE_CAPTURE_DONE, args, info, said.append)
+    serve._settle(server, args, info, said.append)
     assert info == {"settle_s": None} and "nothing to settle" in said[0]
     log.write_text(f"moe_graphs: graphs are captured lazily, ..., {IDLE_CAPTURE_ON}\n"
                    f"{IDLE_CAPTURE_DONE}: no key left to capture (3 graphs, 0 quarantined, "
@@ -216,7 +216,7 @@ def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
     server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                     start_new_session=True)
     try:
-        serve._settle(server, IDLE_CAPTURE_DONE, args, info, said.append)
+        serve._settle(server, args, info, said.append)
     finally:
         server.stop()
     assert info["settle_s"] is not None and info["settle_s"] < 5 and "settled" in said[1]
