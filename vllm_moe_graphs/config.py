@@ -95,8 +95,8 @@ class PluginConfig:
     # loaded and no expert GEMM rows for them; real rows are bit-identical either way. Off until
     # its GPU tests and the serving benchmark have run on the H200 (deny by default).
     skip_moe_padding: bool = False
-    # While the engine waits for requests, capture the keys traffic has not reached yet, one per
-    # wait, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
+    # While the engine waits for requests, capture the keys traffic has not reached yet, one at
+    # a time, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
     # captures move out of its first minutes of serving, start-up stays as fast. Off until its
     # GPU tests and the serving benchmark have run on the H200.
     idle_capture: bool = False

@@ -879,7 +879,7 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
 def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     """idle_capture through `vllm serve` (the tiny checkpoint, 16 sequences, a 128-token step
     budget, no prefix cache): ready as with lazy capture; then, with no request, the engine core
-    captures every key (the token buckets, then the decode keys) one per idle wait; then 64
+    captures every key (the token buckets, then the decode keys) one at a time; then 64
     requests arriving over ~2 s all complete, every step replayed, with no capture while
     serving; then 8 requests one at a time (the same steps each time) give the same greedy text
     from the idle-captured graphs as with the kill file present."""

@@ -1,5 +1,6 @@
 """`idle_capture`: the engine core's idle hook (`patch/engine_core_idle.py`) on a stand-in engine
-with a real queue, and the patch on vLLM's real `EngineCoreProc` in a fresh interpreter. The
+with a real queue, inside vLLM 0.26.0's own input loop (`EngineCoreProc._process_input_queue`),
+and the patch on vLLM's real `EngineCoreProc` in a fresh interpreter. The
 capture each call makes is `precapture.idle_capture_one`, tested with the stepping runner in
 `test_override_points.py`; on the GPU, `test_idle_capture_serves_without_capture_pauses`."""
 
@@ -85,6 +86,87 @@ def test_a_failing_call_turns_idle_capture_off_for_that_engine(caplog):
     assert "idle_capture off for this engine (AttributeError" in caplog.text
 
 
+class LoopEngine(Engine):
+    """`Engine` plus what vLLM's `_process_input_queue` itself touches: the aborts queue, its
+    blocking flag, the idle-state callbacks (vLLM's method, wrapped as the patch wraps it) and
+    `_handle_client_request` (here: a request gives the engine work; any message is recorded)."""
+
+    def __init__(self, answers: list[object], **kwargs) -> None:
+        super().__init__(answers, **kwargs)
+        from vllm.v1.engine.core import EngineCoreProc
+
+        self.aborts_queue: queue.Queue = queue.Queue()
+        self.process_input_queue_block = True
+        self._idle_state_callbacks: list = []
+        self.handled: list[tuple] = []
+        self.work = False
+        self._notify = engine_core_idle.wrap(EngineCoreProc._notify_idle_state_callbacks)
+
+    def _notify_idle_state_callbacks(self) -> None:
+        self._notify(self)
+
+    def _handle_client_request(self, kind: str, payload: str) -> None:
+        self.handled.append((kind, payload))
+        self.work = self.work or kind == "ADD"
+
+    def has_work(self) -> bool:
+        return self.work
+
+    def wait_for_work(self) -> None:
+        """vLLM's loop as the busy loop runs it: it returns once a request gave it work."""
+        from vllm.v1.engine.core import EngineCoreProc
+
+        EngineCoreProc._process_input_queue(self)
+
+
+UTILITY = ("UTILITY", "get_supported_tasks")
+REQUEST = ("ADD", "request")
+
+
+def scripted(engine: LoopEngine, arrivals: dict[int, tuple]) -> None:
+    """The client's messages as they reach `engine`: `arrivals[n]` is queued during the n-th
+    worker call (the capture in flight)."""
+    answer = engine._rpc
+
+    def rpc(method: str) -> list[bool]:
+        result = answer(method)
+        if len(engine.calls) in arrivals:
+            engine.input_queue.put(arrivals[len(engine.calls)])
+        return result
+
+    engine.model_executor.collective_rpc = rpc
+
+
+def test_a_client_call_queued_before_the_loop_starts_does_not_end_idle_capture():
+    """The API server's start-up calls (`get_supported_tasks`, `reset_mm_cache`) can be queued
+    before the engine core first waits: handled first, then the capture starts, until a
+    request arrives (during the 3rd capture here)."""
+    engine = LoopEngine([True] * 8)
+    engine.input_queue.put(UTILITY)
+    scripted(engine, {3: REQUEST})
+    engine.wait_for_work()
+    assert engine.handled == [UTILITY, REQUEST], engine.handled
+    assert engine.calls == [engine_core_idle.RPC] * 3
+
+
+def test_a_client_call_during_a_capture_waits_for_it_and_the_capture_resumes():
+    engine = LoopEngine([True] * 8)
+    scripted(engine, {1: UTILITY, 4: REQUEST})
+    engine.wait_for_work()
+    assert engine.handled == [UTILITY, REQUEST], engine.handled
+    assert engine.calls == [engine_core_idle.RPC] * 4, "1 before the utility call, 3 after"
+
+
+def test_once_nothing_is_left_an_idle_wait_costs_one_worker_call():
+    """vLLM's loop notifies the idle callbacks again after every message; once the worker
+    answers that nothing is left, each later wait asks it once, and it captures nothing."""
+    engine = LoopEngine([True, False, False])
+    scripted(engine, {2: UTILITY, 3: REQUEST})
+    engine.wait_for_work()
+    assert engine.handled == [UTILITY, REQUEST], engine.handled
+    assert engine.calls == [engine_core_idle.RPC] * 3
+
+
 def test_the_patch_wraps_vllms_engine_core_only_where_it_runs():
     """On vLLM 0.26.0's `EngineCoreProc` (signature checked); a process that has not imported
     the engine core's module is left alone (no import cost)."""
@@ -93,9 +175,9 @@ def test_the_patch_wraps_vllms_engine_core_only_where_it_runs():
         from vllm_moe_graphs.integration.patch import PATCHED_ATTR, engine_core_idle
         print("=", engine_core_idle.apply(), "vllm.v1.engine.core" in sys.modules)
         from vllm.v1.engine.core import EngineCoreProc
-        original = EngineCoreProc._process_input_queue
+        original = EngineCoreProc._notify_idle_state_callbacks
         print("=", engine_core_idle.apply(), engine_core_idle.apply())
-        patched = EngineCoreProc._process_input_queue
+        patched = EngineCoreProc._notify_idle_state_callbacks
         print("=", getattr(patched, PATCHED_ATTR, False), patched.__wrapped__ is original)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -742,11 +742,46 @@ def test_idle_capture_takes_one_key_per_call_in_precapture_order(caplog):
     assert answers == [True, True, True, False, False], answers
     done = [m.getMessage() for m in caplog.records if "idle capture done" in m.getMessage()]
     assert done == ["moe_graphs: idle capture done: no key left to capture (4 graphs, 0 "
-                    "quarantined, pool 4 MiB)"], done
+                    "quarantined, 0 denied now, pool 4 MiB)"], done
     assert calls == PRECAPTURE_CALLS and capture.captures == 4
     mode, desc, out = _step(r, 3, [1, 1, 1])  # a decode step of 3: key (4, 2048), no capture
     assert mode is mode_enum.FULL and desc.num_tokens == 4 and capture.captures == 4
     assert out[:, 0].tolist() == [2.0, 4.0, 6.0]
+
+
+def test_idle_capture_says_it_is_done_when_every_key_is_denied(caplog, tmp_path):
+    """With the kill file present from the start no key may be captured: the first idle call
+    says idle capture is done (every key denied), once; with the file removed the next calls
+    capture every key and say so again (what a benchmark waiting for the line needs)."""
+    import dataclasses
+    import logging
+    import types
+
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+    from vllm_moe_graphs.integration.worker import MoeGraphsWorker
+    from vllm_moe_graphs.killswitch import KillSwitch
+
+    r, capture, _, _, _ = _mixed_precapture_runner()
+    kill = tmp_path / "kill"
+    kill.touch()
+    r.moe_graphs.graphs = DecodeGraphRunner(
+        None, r.moe_graphs.graphs.config, storage=r.moe_graphs.storage, capture_fn=capture,
+        new_pool=object, kill_switch=KillSwitch(str(kill), interval_s=0))
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, idle_capture=True)
+    worker = types.SimpleNamespace(model_runner=r)
+
+    def done_lines() -> list[str]:
+        return [m.getMessage().split("(")[1] for m in caplog.records
+                if "idle capture done" in m.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        answers = [MoeGraphsWorker.moe_graphs_idle_capture(worker) for _ in range(3)]
+        assert answers == [False] * 3 and capture.captures == 0
+        assert done_lines() == ["0 graphs, 0 quarantined, 4 denied now, pool 0 MiB)"]
+        kill.unlink()
+        answers = [MoeGraphsWorker.moe_graphs_idle_capture(worker) for _ in range(5)]
+    assert answers == [True, True, True, False, False] and capture.captures == 4
+    assert done_lines()[1:] == ["4 graphs, 0 quarantined, 0 denied now, pool 4 MiB)"]
 
 
 def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):

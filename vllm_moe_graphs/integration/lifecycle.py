@@ -69,6 +69,7 @@ class GraphLifecycle:
         self.fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
         self.moe_padding: MoePadding | None = None  # skip_moe_padding, for an MoE model
         self.lean_replay = False  # a replay may skip the attention metadata (`builds_metadata`)
+        self.idle_settled = False  # idle_capture said it has nothing left (precapture.py)
         self._kv_watch: tuple[tuple[Any, torch.Tensor], ...] = ()  # (layer, bound tensor)
         self._step: StepScope | None = None
         self._capturing: GraphKey | None = None

@@ -90,22 +90,29 @@ def capture_key(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle, key: Gr
 def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> bool:
     """`idle_capture`, called while the engine waits for requests: capture the first key, in
     precapture's order, that has no graph and may be captured now; returns whether another
-    one remains (False: nothing to do until something changes, e.g. graphs dropped)."""
+    one remains (False: nothing to do until something changes, e.g. graphs dropped, the kill
+    file removed)."""
     graphs = lifecycle.graphs
     if not lifecycle.config.idle_capture or graphs is None or graphs.closed:
         return False
-    pending = graphs.capturable(capture_order(graphs))
-    if not pending:
-        return False
-    capture_key(runner, lifecycle, pending[0])
-    lifecycle.publish()
-    if len(pending) > 1:
-        return True
-    # NOTE: an operator's (and the serving benchmark's) sign that traffic meets no capture
-    # pause from here on; logged again only after graphs were dropped and recaptured.
-    logger.info("moe_graphs: idle capture done: no key left to capture (%d graphs, %d quarantined, "
-                "pool %.0f MiB)", len(graphs.keys), len(graphs.quarantined),
-                graphs.pool_bytes / 2**20)
+    keys = capture_order(graphs)
+    pending = graphs.capturable(keys)
+    if pending:
+        capture_key(runner, lifecycle, pending[0])
+        lifecycle.publish()
+        lifecycle.idle_settled = False
+        if len(pending) > 1:
+            return True
+    if not lifecycle.idle_settled:
+        # NOTE: an operator's (and the serving benchmark's) sign that traffic meets no capture
+        # pause from here on (or that the rest is denied: the budget, the kill switch); said
+        # once, and again only after later captures.
+        lifecycle.idle_settled = True
+        live, quarantined = set(graphs.keys), graphs.quarantined
+        denied = sum(k not in live and k not in quarantined for k in keys)
+        logger.info("moe_graphs: idle capture done: no key left to capture (%d graphs, %d "
+                    "quarantined, %d denied now, pool %.0f MiB)", len(live), len(quarantined),
+                    denied, graphs.pool_bytes / 2**20)
     return False
 
 

@@ -5,7 +5,7 @@
 | platform_config.py | `<current platform>.check_and_update_config` | validate `additional_config["moe_graphs"]` and compute the config-time capability in process 0, before any engine process starts or the model loads | vLLM offers a config-validation hook for general plugins |
 | vllm_config_post_init.py | `vllm.config.VllmConfig.__post_init__` | for an eligible setup, select our worker, backend and capture (vLLM's off) *before* vLLM derives custom ops, IR op priorities and capture sizes from them | vLLM offers a pre-finalisation config hook for general plugins |
 | worker_base_init.py | `vllm.v1.worker.worker_base.WorkerBase.__init__` | record capability and info metrics in every worker process (also where the plugin does not take over, e.g. CPU), with the rank; runs after plugins load in that process | vLLM offers a per-worker plugin hook |
-| engine_core_idle.py | `vllm.v1.engine.core.EngineCoreProc._process_input_queue` (in the engine core process only) | with `idle_capture`, capture the keys traffic has not reached while the engine core waits for requests (a cached config check otherwise) | vLLM offers an idle hook to plugins |
+| engine_core_idle.py | `vllm.v1.engine.core.EngineCoreProc._notify_idle_state_callbacks` (in the engine core process only) | with `idle_capture`, capture the keys traffic has not reached each time the engine core is about to wait for requests (a cached config check otherwise) | vLLM offers an idle hook to plugins |
 
 Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
 signature of what it wraps first, and calls the original unchanged.

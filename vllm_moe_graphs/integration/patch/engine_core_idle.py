@@ -1,14 +1,18 @@
-"""Patch: `vllm.v1.engine.core.EngineCoreProc._process_input_queue`.
+"""Patch: `vllm.v1.engine.core.EngineCoreProc._notify_idle_state_callbacks`.
 
 Why: with `idle_capture` the plugin captures the graphs traffic has not reached yet while the
 engine has nothing to do, so a fresh server's lazy captures stop pausing its first requests.
-The engine core's busy loop is the one place that knows it is idle: it blocks there on its
-input queue until a request (or any other client call) arrives.
-How: the method is wrapped. Before the original runs (and blocks), an engine that is running,
-awake, without work and without anything queued asks its worker (`collective_rpc`, in this
-process for the one-GPU executor) for one capture at a time, until a message is queued or
-nothing is left to capture; a message that arrives mid-capture waits for that one capture.
-Engines without `idle_capture` (the default) skip all of it after one cached config read.
+The engine core's input loop (`_process_input_queue`) calls this method each time it is about
+to block on its input queue without work: when a step leaves nothing to do, and again after
+each client message it handles while idle. So the API server's own calls at start-up
+(`get_supported_tasks`, `reset_mm_cache`), a `wake_up` or any other utility call resume the
+capture instead of ending it until the next request.
+How: the method is wrapped. After the original has notified vLLM's idle-state callbacks, an
+engine that is running, awake, without work and without anything queued asks its worker
+(`collective_rpc`, in this process for the one-GPU executor) for one capture at a time, until
+a message is queued or nothing is left to capture; a message that arrives mid-capture waits for
+that one capture. Engines without `idle_capture` (the default) skip all of it after one cached
+config read.
 Removal: when vLLM offers an idle hook to plugins.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from vllm_moe_graphs.integration.patch import PATCHED_ATTR
@@ -24,7 +29,7 @@ from vllm_moe_graphs.integration.signatures import check_parameters
 logger = logging.getLogger("vllm.moe_graphs")
 
 MODULE = "vllm.v1.engine.core"
-QUALNAME = f"{MODULE}.EngineCoreProc._process_input_queue"
+QUALNAME = f"{MODULE}.EngineCoreProc._notify_idle_state_callbacks"
 EXPECTED = ("self",)
 RPC = "moe_graphs_idle_capture"  # integration/worker.py: MoeGraphsWorker
 _ON = "_moe_graphs_idle_capture"  # per engine: whether idle capture is on (cached)
@@ -37,20 +42,25 @@ def apply() -> str | None:
         return None
     from vllm.v1.engine.core import EngineCoreProc
 
-    original = EngineCoreProc._process_input_queue
+    original = EngineCoreProc._notify_idle_state_callbacks
     if getattr(original, PATCHED_ATTR, False):
         return None
     check_parameters(QUALNAME, original, EXPECTED)
+    EngineCoreProc._notify_idle_state_callbacks = wrap(original)
+    return QUALNAME
 
-    def _process_input_queue(self):
+
+def wrap(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`original` (vLLM's `_notify_idle_state_callbacks`), then the idle captures."""
+
+    def _notify_idle_state_callbacks(self) -> None:
+        original(self)
         if idle_capture_on(self) and self.input_queue.empty():
             capture_while_idle(self)
-        return original(self)
 
-    _process_input_queue.__wrapped__ = original
-    setattr(_process_input_queue, PATCHED_ATTR, True)
-    EngineCoreProc._process_input_queue = _process_input_queue
-    return QUALNAME
+    _notify_idle_state_callbacks.__wrapped__ = original
+    setattr(_notify_idle_state_callbacks, PATCHED_ATTR, True)
+    return _notify_idle_state_callbacks
 
 
 def idle_capture_on(engine: Any) -> bool:
