@@ -191,7 +191,7 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
         assert server.wait_for_log(line, 0.6) is None
         threading.Timer(0.5, lambda: log.write_text(
             log.read_text() + "INFO moe_graphs: idle capture done: no key left to capture "
-            "(57 graphs, 0 quarantined, pool 700 MiB)\n")).start()
+            "(57 graphs, 0 quarantined, 0 denied now, pool 700 MiB)\n")).start()
         assert 0.3 < server.wait_for_log(line, 20) < 15
     finally:
         server.stop()
