@@ -179,15 +179,22 @@ class Server:
                                    f"{self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
 
-    def wait_for_log(self, text: str, timeout_s: float) -> float | None:
-        """Seconds until `text` appears in the log, None when it has not within `timeout_s`.
-        Raises RuntimeError when the server exits meanwhile."""
-        t0 = time.monotonic()
+    def wait_for_log(self, text: str, timeout_s: float,
+                     stall_s: float | None = None) -> float | None:
+        """Seconds until `text` appears in the log, None when it has not within `timeout_s`
+        or, with `stall_s`, once the plugin's capture count on /metrics has not changed for
+        that long (captures that stopped will not log `text`). Raises RuntimeError when the
+        server exits meanwhile."""
+        t0 = changed = time.monotonic()
+        captures = None
         while text not in self.log_text():
             if not self.alive():
                 raise RuntimeError(f"vllm serve exited while waiting for {text!r}; log "
                                    f"{self.log_path}:\n{self.log_tail()}")
-            if time.monotonic() - t0 > timeout_s:
+            now = time.monotonic()
+            if stall_s is not None and (count := self.scrape().get("captures")) != captures:
+                captures, changed = count, now
+            if now - t0 > timeout_s or (stall_s is not None and now - changed > stall_s):
                 return None
             time.sleep(0.5)
         return time.monotonic() - t0

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -220,6 +221,53 @@ def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
     finally:
         server.stop()
     assert info["settle_s"] is not None and info["settle_s"] < 5 and "settled" in said[1]
+
+
+def test_settle_stops_waiting_once_idle_capture_stalls(tmp_path):
+    """A server that says it captures while idle but never logs the done line: the wait goes on
+    while /metrics shows captures growing, and ends --settle-stall-s after the last one (not at
+    --settle-timeout-s); the benchmark measures anyway."""
+    import http.server
+
+    served = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            served.append(self.path)
+            count = min(len(served), 4)  # 4 captures, one per scrape, then none
+            body = (f'moe_graphs_captures_total{{kind="decode"}} {count}\n').encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    log = tmp_path / "serve.log"
+    log.write_text(f"moe_graphs: graphs are captured lazily, ..., {IDLE_CAPTURE_ON}\n")
+    server = Server(tmp_path, [], {}, log)
+    server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                    start_new_session=True)
+    args = serve.parser().parse_args(["--settle-timeout-s", "60", "--settle-stall-s", "1"])
+    info, said = {}, []
+    t0 = time.monotonic()
+    try:
+        serve._settle(server, args, info, said.append)
+    finally:
+        server.stop()
+        httpd.shutdown()
+    waited = time.monotonic() - t0
+    assert info == {"settle_s": None}, info
+    assert "no capture in the last 1 s" in said[0] and "measuring anyway" in said[0], said
+    assert len(served) >= 6 and 2.0 < waited < 20, (served, waited)  # past the 4 captures
+    with pytest.raises(SystemExit):
+        serve.parser().parse_args(["--settle-stall-s", "x"])
+    with pytest.raises(ValueError, match="--settle-stall-s must be > 0, got 0.0"):
+        serve.Plan(serve.parser().parse_args(["--settle-stall-s", "0"]))
 
 
 def test_ratio_keys_and_direction():
