@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import serve_report as report
+from benchmarks import serve_targets
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
     summarize
 from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ESTIMATE_S, \
@@ -427,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
             mp.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
             a = mp.parse_args(argv[1:])
             return report.merge(a.files, a.name, a.results_dir)
+        if argv[:1] == ["targets"]:
+            tp = argparse.ArgumentParser(
+                prog="python -m benchmarks.serve targets",
+                description="the README's headline rows and every serving target missed, "
+                "from result files (benchmarks/serve_targets.py)")
+            tp.add_argument("files", nargs="+")
+            print(serve_targets.report(tp.parse_args(argv[1:]).files), flush=True)
+            return 0
         if argv[:1] == ["--plot"] and len(argv) == 2:
             doc = json.loads(Path(argv[1]).read_text())
             report.check_schema(doc)
