@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -954,3 +955,77 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     # the idle-captured graphs compute what eager steps of the same keys compute
     assert summary["sequential_identical"] == 8 and summary["kill_switch_fallbacks"] > 0, summary
     assert summary["captures_at_end"] == summary["keys"], summary
+
+
+def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
+    """idle_capture across sleep mode through `vllm serve` (the tiny checkpoint; vLLM's dev API
+    /sleep and /wake_up): every key captured while idle after start-up; a level-1 sleep and the
+    wake-up drop the graphs; the wake-up, a client call the engine core handles while idle,
+    resumes idle capture, which captures every key again and says it is done a second time, all
+    before any request; then 4 requests one at a time give the same greedy text as before the
+    sleep, every step replayed, with no capture while serving."""
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / "tiny-wake"), head_dim=64)
+    vocab = json.loads((tmp_path / "tiny-wake" / "config.json").read_text())["vocab_size"]
+    log = str(tmp_path / "serve.log")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, 200))]
+               for _ in range(4)]
+    args = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
+            "128", "--enable-chunked-prefill", "--no-enable-prefix-caching", "--enable-sleep-mode",
+            "--additional-config", json.dumps({"moe_graphs": {"idle_capture": True}}),
+            *serve_memory_args(0.5))
+
+    def sequential(base: str) -> list[str]:
+        return [post_json(base + "/v1/completions",
+                          {"model": path, "prompt": p, "max_tokens": 32, "temperature": 0.0,
+                           "ignore_eos": True}, timeout=300)["choices"][0]["text"]
+                for p in prompts]
+
+    def post(url: str) -> None:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"),
+                               timeout=120).read()
+
+    def done_lines() -> int:
+        return sum("idle capture done: no key left" in ln for ln in open(log))
+
+    with vllm_serve(path, None, log, args=args, env_extra={"VLLM_SERVER_DEV_MODE": "1"}) as base:
+        lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
+                 or "graphed too (mixed_graphs)" in ln]
+        keys = int(re.search(r"\((\d+) decode keys", lines[0]).group(1)) + len(
+            re.search(r"token buckets \[([^\]]*)\]", lines[1]).group(1).split(","))
+        poll_metrics(base, "every key captured while idle",
+                     lambda t: metric(t, "moe_graphs_captures_total") >= keys)
+        before = sequential(base)
+        captured = metric(get(base + "/metrics"), "moe_graphs_captures_total")
+        post(base + "/sleep?level=1")
+        asleep = json.loads(get(base + "/is_sleeping"))["is_sleeping"]
+        post(base + "/wake_up")
+        t0 = time.monotonic()
+        woken = poll_metrics(base, "every key captured again after the wake-up",
+                             lambda t: metric(t, "moe_graphs_captures_total") >= captured + keys)
+        recapture_s = time.monotonic() - t0
+        deadline = time.monotonic() + 10  # the done line follows the last capture's metrics
+        while done_lines() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = sequential(base)
+        text = get(base + "/metrics")
+    summary = {"keys": keys, "captured_before_sleep": captured, "asleep": asleep,
+               "captures_after_wake": metric(woken, "moe_graphs_captures_total") - captured,
+               "recapture_s": round(recapture_s, 1),
+               "invalidations": metric(text, "moe_graphs_invalidations_total"),
+               "done_logged": done_lines(),
+               "identical_after_wake": sum(a == b for a, b in zip(before, after, strict=True)),
+               "captures_while_serving": metric(text, "moe_graphs_captures_total")
+               - metric(woken, "moe_graphs_captures_total"),
+               "fallbacks": metric(text, "moe_graphs_eager_fallbacks_total"),
+               "replays_decode": metric(text, "moe_graphs_replays_total", kind="decode"),
+               "log_tail": tail(log, 15)}
+    report("serve-idle-capture-wake-up", summary)
+    assert summary["asleep"] is True and summary["invalidations"] > 0, summary
+    assert summary["captured_before_sleep"] == keys, summary  # every key, none while serving
+    assert summary["captures_after_wake"] == keys and summary["done_logged"] == 2, summary
+    assert summary["identical_after_wake"] == 4, summary
+    assert summary["captures_while_serving"] == 0 and summary["fallbacks"] == 0, summary
+    assert summary["replays_decode"] > 0, summary
