@@ -9,6 +9,11 @@ Targets (plugin against `stock`, vLLM's H200 default, at each measured rate):
 - on `chat` at REPLAY_RATES: at least REPLAYED_SHARE of the engine steps replayed.
 A point that misses is listed with its value and the floor; so is a target that the file has no
 point for (no saturated rate, no row at a replay rate).
+
+Coverage (what one shape's result file must hold, `coverage`): the modes COVERAGE_MODES on
+`chat` and `long` at MIN_RATES or more rates each, up to a rate that saturated one of them;
+for the MoE shape, `moe_offload` for `plugin` and `stock` at MIN_OFFLOAD_RATES rates; no failed
+request; client send lag p99 under MAX_SEND_LAG_MS at every rate below saturation.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ TARGET_RATIO = {"chat": 1.2, "long": 1.0}
 LATENCY_RATIOS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
 REPLAY_RATES = (4.0, 16.0)
 REPLAYED_SHARE = 0.95
+COVERAGE_MODES = (PLUGIN, AGAINST, "stock_triton")
+MIN_RATES = 4
+MIN_OFFLOAD_RATES = 2
+MAX_SEND_LAG_MS = 10.0
+MOE_MODELS = ("qwen3-30b-a3b",)
 SHAPES = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
           "qwen3-30b-a3b": "Qwen3-30B-A3B (48 layers)"}
 
@@ -98,6 +108,33 @@ def misses(doc: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def coverage(doc: Mapping[str, Any]) -> list[str]:
+    """What the file lacks of the serving benchmark's coverage (module doc), one line each."""
+    out, model = [], doc["model"]
+    needs = [(w, COVERAGE_MODES, MIN_RATES) for w in ("chat", "long")]
+    if model in MOE_MODELS:
+        needs.append(("moe_offload", (PLUGIN, AGAINST), MIN_OFFLOAD_RATES))
+    for workload, modes, min_rates in needs:
+        for mode in modes:
+            rates = sorted(_rows(doc, mode, workload))
+            if len(rates) < min_rates:
+                out.append(f"{model} {workload} {mode}: {len(rates)} rates "
+                           f"({', '.join(f'{r:g}' for r in rates) or 'none'}), needs "
+                           f"{min_rates}")
+        if workload != "moe_offload" and not any(
+                _saturated_at(doc, m, workload) is not None for m in modes):
+            out.append(f"{model} {workload}: no measured rate saturated any mode")
+    for row in doc["rows"]:
+        where = f"{model} {row['workload']} r{row['rate']:g} {row['mode']}"
+        if row.get("failed"):
+            out.append(f"{where}: {row['failed']} failed requests")
+        sat = _saturated_at(doc, row["mode"], row["workload"])
+        lag = (row.get("send_lag_ms") or {}).get("p99")
+        if (sat is None or row["rate"] < sat) and lag is not None and lag >= MAX_SEND_LAG_MS:
+            out.append(f"{where}: client send lag p99 {lag:.1f} ms >= {MAX_SEND_LAG_MS:g} ms")
+    return out
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -140,4 +177,10 @@ def report(paths: Sequence[str]) -> str:
         lines.append(f"  {Path(path).name}: " + ("every target met" if not missed
                                                  else f"{len(missed)} missed"))
         lines += [f"    {m}" for m in missed]
+    lines.append("benchmark coverage (module doc of benchmarks/serve_targets.py):")
+    for path, doc in docs:
+        lacking = coverage(doc)
+        lines.append(f"  {Path(path).name}: " + ("complete" if not lacking
+                                                 else f"{len(lacking)} lacking"))
+        lines += [f"    {m}" for m in lacking]
     return "\n".join(lines)

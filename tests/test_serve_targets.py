@@ -85,3 +85,26 @@ def test_readme_headline_table_is_what_the_committed_results_say():
                                                                  or "| long |" in ln)]
     assert table == rows, "README's serving table differs from `benchmarks.serve targets`"
     assert "targets against stock" in proc.stdout
+
+
+def test_coverage_lists_missing_modes_rates_offload_failures_and_client_lag():
+    rows = []
+    for rate in (1, 2, 4, 8):  # chat: 4 rates of the three modes, stock saturated at 8
+        rows += [_row("plugin", "chat", rate, 40.0, 2.0, 100.0 * rate),
+                 _row("stock", "chat", rate, 400.0 if rate == 8 else 60.0, 2.5, 90.0 * rate),
+                 _row("stock_triton", "chat", rate, 70.0, 3.0, 80.0 * rate)]
+    rows += [_row("plugin", "long", 1, 100.0, 10.0, 100.0),  # long: few rates, no saturation
+             _row("stock", "long", 1, 100.0, 10.0, 100.0)]
+    rows[0]["failed"] = 2
+    rows[1]["send_lag_ms"] = {"p50": 1.0, "p99": 12.5}
+    rows[-3]["send_lag_ms"] = {"p50": 1.0, "p99": 50.0}  # stock_triton chat r8: not saturated
+    doc = _doc(rows)
+    assert serve_targets.coverage(doc) == [
+        "m long plugin: 1 rates (1), needs 4", "m long stock: 1 rates (1), needs 4",
+        "m long stock_triton: 0 rates (none), needs 4",
+        "m long: no measured rate saturated any mode",
+        "m chat r1 plugin: 2 failed requests",
+        "m chat r1 stock: client send lag p99 12.5 ms >= 10 ms",
+        "m chat r8 stock_triton: client send lag p99 50.0 ms >= 10 ms"]
+    doc["model"] = "qwen3-30b-a3b"  # the MoE shape also needs moe_offload, plugin and stock
+    assert "qwen3-30b-a3b moe_offload stock: 0 rates (none), needs 2" in serve_targets.coverage(doc)
