@@ -877,6 +877,31 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every step with prefill planned
 
 
+IDLE_SERVE_ARGS = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
+                   "128", "--enable-chunked-prefill", "--no-enable-prefix-caching")
+
+
+def tiny_prompts(tmp_path, name: str, seed: int, count: int,
+                 max_len: int) -> tuple[str, list[list[int]]]:
+    """A tiny real checkpoint under `tmp_path / name` and `count` prompts of 20..`max_len`
+    random token ids."""
+    from tests.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path / name), head_dim=64)
+    vocab = json.loads((tmp_path / name / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return path, [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, max_len))]
+                  for _ in range(count)]
+
+
+def logged_keys(log: str) -> tuple[int, int]:
+    """(decode keys, token buckets) a server will capture, from its start-up lines."""
+    lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
+             or "graphed too (mixed_graphs)" in ln]
+    return (int(re.search(r"\((\d+) decode keys", lines[0]).group(1)),
+            len(re.search(r"token buckets \[([^\]]*)\]", lines[1]).group(1).split(",")))
+
+
 def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     """idle_capture through `vllm serve` (the tiny checkpoint, 16 sequences, a 128-token step
     budget, no prefix cache): ready as with lazy capture; then, with no request, the engine core
@@ -884,25 +909,15 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     requests arriving over ~2 s all complete, every step replayed, with no capture while
     serving; then 8 requests one at a time (the same steps each time) give the same greedy text
     from the idle-captured graphs as with the kill file present."""
-    from tests.tiny_models import build_checkpoint
-
-    path = build_checkpoint(str(tmp_path / "tiny-idle"), head_dim=64)
-    vocab = json.loads((tmp_path / "tiny-idle" / "config.json").read_text())["vocab_size"]
+    path, prompts = tiny_prompts(tmp_path, "tiny-idle", seed=3, count=64, max_len=300)
     log = str(tmp_path / "serve.log")
-    rng = random.Random(3)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, 300))]
-               for _ in range(64)]
     kill_file = tmp_path / "serve.kill"
-    args = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
-            "128", "--enable-chunked-prefill", "--no-enable-prefix-caching",
+    args = (*IDLE_SERVE_ARGS,
             "--additional-config", json.dumps({"moe_graphs": {"idle_capture": True}}),
             *serve_memory_args(0.5))
     with vllm_serve(path, None, log, args=args,
                     env_extra={"MOE_GRAPHS_KILL_FILE": str(kill_file)}) as base:
-        lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
-                 or "graphed too (mixed_graphs)" in ln]
-        decode = int(re.search(r"\((\d+) decode keys", lines[0]).group(1))
-        tokens = len(re.search(r"token buckets \[([^\]]*)\]", lines[1]).group(1).split(","))
+        decode, tokens = logged_keys(log)
         t0 = time.monotonic()
         idle = poll_metrics(base, "every key captured while idle",
                             lambda t: metric(t, "moe_graphs_captures_total") >= decode + tokens)
@@ -964,16 +979,9 @@ def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
     resumes idle capture, which captures every key again and says it is done a second time, all
     before any request; then 4 requests one at a time give the same greedy text as before the
     sleep, every step replayed, with no capture while serving."""
-    from tests.tiny_models import build_checkpoint
-
-    path = build_checkpoint(str(tmp_path / "tiny-wake"), head_dim=64)
-    vocab = json.loads((tmp_path / "tiny-wake" / "config.json").read_text())["vocab_size"]
+    path, prompts = tiny_prompts(tmp_path, "tiny-wake", seed=4, count=4, max_len=200)
     log = str(tmp_path / "serve.log")
-    rng = random.Random(4)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randrange(20, 200))]
-               for _ in range(4)]
-    args = ("--max-num-seqs", "16", "--max-model-len", "512", "--max-num-batched-tokens",
-            "128", "--enable-chunked-prefill", "--no-enable-prefix-caching", "--enable-sleep-mode",
+    args = (*IDLE_SERVE_ARGS, "--enable-sleep-mode",
             "--additional-config", json.dumps({"moe_graphs": {"idle_capture": True}}),
             *serve_memory_args(0.5))
 
@@ -991,10 +999,7 @@ def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
         return sum("idle capture done: no key left" in ln for ln in open(log))
 
     with vllm_serve(path, None, log, args=args, env_extra={"VLLM_SERVER_DEV_MODE": "1"}) as base:
-        lines = [ln for ln in open(log) if "moe_graphs: graphs on:" in ln
-                 or "graphed too (mixed_graphs)" in ln]
-        keys = int(re.search(r"\((\d+) decode keys", lines[0]).group(1)) + len(
-            re.search(r"token buckets \[([^\]]*)\]", lines[1]).group(1).split(","))
+        keys = sum(logged_keys(log))
         poll_metrics(base, "every key captured while idle",
                      lambda t: metric(t, "moe_graphs_captures_total") >= keys)
         before = sequential(base)
