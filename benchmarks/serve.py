@@ -91,19 +91,29 @@ def _csv(text: str) -> list[str]:
     return [v for v in text.replace(" ", "").split(",") if v]
 
 
+def _row(name: str, text: str, width: int = 20) -> str:
+    """One epilog row: `name` in a column of `width`, or on a line of its own when longer."""
+    if len(name) < width:
+        return f"  {name:<{width}}{text}"
+    return f"  {name}\n  {'':<{width}}{text}"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.serve", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join([
-            "modes:", *(f"  {m.name:<20}{m.description}" for m in SERVE_MODES.values()), "",
-            "workloads:", *(f"  {w.name:<20}{w.description}" for w in WORKLOADS.values()), "",
+            "modes:", *(_row(m.name, m.description) for m in SERVE_MODES.values()), "",
+            "workloads:", *(_row(w.name, w.description) for w in WORKLOADS.values()), "",
             "default rates (req/s):",
-            *(f"  {m:<20}" + "; ".join(f"{w} {','.join(f'{r:g}' for r in rs)}"
-                                       for w, rs in d.items()) for m, d in DEFAULT_RATES.items()),
+            *(_row(m, "; ".join(f"{w} {','.join(f'{r:g}' for r in rs)}" for w, rs in d.items()))
+              for m, d in DEFAULT_RATES.items()),
             "", "merge: python -m benchmarks.serve merge A.json B.json ... --name NAME "
             "[--results-dir DIR]: rows of later files win on the same mode/workload/rate.",
             "plot:  python -m benchmarks.serve --plot RESULT.json: redraw the PNG.",
+            "targets: python -m benchmarks.serve targets RESULT.json ...: the README's headline "
+            "rows, every serving target a file misses and the coverage it lacks (no GPU "
+            "needed).",
             "exit codes: 0 rows measured, 1 none, 2 usage, 3 no GPU (see --allow-cpu)."]))
     ap.add_argument("--model", default="qwen3-0.6b",
                     help=f"shipped shape ({', '.join(MODELS)}) or a model directory with a "

@@ -424,8 +424,10 @@ def test_help_documents_every_option():
     for action in serve.parser()._actions:
         for flag in action.option_strings:
             assert flag in out
-    for name in ("plugin", "stock_triton", "moe_offload", "qwen3-30b-a3b", "merge"):
+    for name in ("plugin", "stock_triton", "moe_offload", "qwen3-30b-a3b", "merge", "targets"):
         assert name in out
+    for mode in serve.SERVE_MODES.values():  # a long name sits on its own line, not run on
+        assert f"  {mode.name} " in out or f"  {mode.name}\n" in out, mode.name
 
 
 @pytest.mark.skipif(serve.gpu_problem() is None, reason="this machine has a GPU")
