@@ -176,6 +176,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run without an NVIDIA GPU (vLLM's CPU build; plumbing tests only)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan (servers, warm-ups, windows and their requests, the "
+                    "rough wall time of each mode and whether it fits --time-budget-s) and "
+                    "exit; needs no GPU")
     return ap
 
 
@@ -275,6 +279,39 @@ def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
                 warmups = len(_warmup_rates(args, rates)) if args.warmup_s > 0 else 0
                 cost += warmups * (args.warmup_s + 8.0) + sum(_window_s(args, r) for r in rates)
     return cost
+
+
+def plan_text(plan: Plan, args: argparse.Namespace) -> str:
+    """The run `args` would make, mode by mode, with the rough wall time the time budget is
+    shared by (`mode_cost_s`: start-up estimates, not measurements)."""
+    lines = [f"{plan.model} ({plan.layers} layers), logs in {plan.work_dir}"]
+    total = 0.0
+    for mode in plan.modes:
+        cost = mode_cost_s(plan, mode, args)
+        total += cost
+        lines.append(f"{mode.name}: ~{cost:.0f} s")
+        for server in plan.servers():
+            extra = OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0.0
+            settle = (f", then up to {args.settle_timeout_s:g} s settling its idle capture "
+                      f"(~{IDLE_CAPTURE_ESTIMATE_S:.0f} s planned)" if plan.settles(mode) else "")
+            sargs = " ".join(plan.server_args(mode, server, args.server_arg, args.offload_gb))
+            lines.append(f"  server {server}: ready in ~{mode.ready_estimate_s + extra:.0f} s"
+                         f"{settle}: vllm serve {sargs}")
+            for w, rates in plan.workloads:
+                if w.server != server:
+                    continue
+                warm = _warmup_rates(args, rates) if args.warmup_s > 0 else []
+                lines.append(f"    {w.name}: warm-up {args.warmup_s:g} s at "
+                             f"{','.join(f'{r:g}' for r in warm) or 'no rate'} req/s; windows "
+                             + ", ".join(f"r{r:g} {max(args.min_requests, round(r * args.duration_s))}"
+                                         " requests" for r in rates))
+    budget = args.time_budget_s
+    fits = "" if budget is None else (
+        f"; --time-budget-s {budget:g} ({budget - RESERVE_S:g} s for windows): "
+        + ("fits" if total <= budget - RESERVE_S else
+           "does NOT fit: the windows that would end past it are skipped"))
+    lines.append(f"total ~{total:.0f} s{fits}")
+    return "\n".join(lines)
 
 
 def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: ProcessPoolExecutor,
@@ -398,6 +435,9 @@ def _progress(r: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     plan = Plan(args)
+    if args.dry_run:
+        print(plan_text(plan, args), flush=True)
+        return 0
     if not args.allow_cpu and (problem := gpu_problem()):
         print(f"error: the serving benchmark needs an NVIDIA GPU: {problem}. Run it on a GPU "
               f"machine (docs/benchmarking.md), or pass --allow-cpu with vLLM's CPU build.",

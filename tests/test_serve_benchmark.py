@@ -430,6 +430,28 @@ def test_help_documents_every_option():
         assert f"  {mode.name} " in out or f"  {mode.name}\n" in out, mode.name
 
 
+def test_dry_run_prints_the_plan_and_whether_it_fits_the_budget(tmp_path):
+    common = ("--model", "qwen3-30b-a3b", "--modes", "plugin,stock", "--workloads",
+              "chat,moe_offload", "--rates", "chat:4,16", "--rates", "moe_offload:0.5",
+              "--duration-s", "8", "--plugin-config", '{"idle_capture": true}',
+              "--results-dir", str(tmp_path), "--dry-run")
+    small = _cli(*common, "--time-budget-s", "200")
+    assert small.returncode == 0, small.stderr
+    out = small.stdout
+    args = serve.parser().parse_args(list(common))
+    plan = serve.Plan(args)
+    costs = {m.name: serve.mode_cost_s(plan, m, args) for m in plan.modes}
+    for name, cost in costs.items():
+        assert f"{name}: ~{cost:.0f} s" in out
+    assert f"total ~{sum(costs.values()):.0f} s" in out and "does NOT fit" in out
+    assert "server moe_offload" in out and "--cpu-offload-gb 29" in out
+    assert "r4 32 requests, r16 128 requests" in out  # max(--min-requests, rate x duration)
+    assert out.count("settling its idle capture") == 2  # plugin's two servers, not stock's
+    big = _cli(*common, "--time-budget-s", "5000")
+    assert big.returncode == 0 and big.stdout.splitlines()[-1].endswith(": fits")
+    assert not list(tmp_path.iterdir())  # nothing written, no server started
+
+
 @pytest.mark.skipif(serve.gpu_problem() is None, reason="this machine has a GPU")
 def test_without_gpu_fails_fast_with_the_reason(tmp_path):
     proc = _cli("--results-dir", str(tmp_path))
