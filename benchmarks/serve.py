@@ -426,7 +426,8 @@ def _progress(r: dict[str, Any]) -> str:
             text += f", padding {r['steps']['padding_share']}"
         if r["steps"].get("captures"):
             text += (f", {r['steps']['captures']} captures "
-                     f"({r['steps'].get('capture_s_by_kind', {})} s)")
+                     f"({r['steps'].get('capture_s_by_kind', {})} s, "
+                     f"{r['steps'].get('step_captures', '?')} inside steps)")
     if r["client_lagging"]:
         text += " -- CLIENT LAGGING: raise --clients"
     return text

@@ -271,7 +271,8 @@ def _group_has_others(pgid: int) -> bool:
 
 def step_counters(metrics_text: str) -> dict[str, float]:
     """Flat counters from a /metrics text: `replays`, `replays:<step kind>`, `captures`,
-    `captures:<kind>`, `capture_s:<kind>` (seconds), `rows:<kind>:<real|padding>` (rows of
+    `captures:<kind>`, `step_captures` (those a serving step waited for), `capture_s:<kind>`
+    (seconds), `rows:<kind>:<real|padding>` (rows of
     steps run at a key's padded size), `pool_bytes:<kind>` (a gauge), `fallback:<reason>` (the
     plugin's, summed over ranks), and vLLM's `engine_steps` (the iteration-tokens histogram's
     count) and `preemptions`."""
@@ -290,6 +291,8 @@ def step_counters(metrics_text: str) -> dict[str, float]:
                 add("captures", s.value)
                 if "kind" in s.labels:
                     add("captures:" + s.labels["kind"], s.value)
+            elif s.name == "moe_graphs_step_captures_total":
+                add("step_captures", s.value)
             elif s.name == "moe_graphs_capture_seconds_sum" and "kind" in s.labels:
                 add("capture_s:" + s.labels["kind"], s.value)
             elif s.name == "moe_graphs_graph_rows_total":
@@ -308,7 +311,8 @@ def step_counters(metrics_text: str) -> dict[str, float]:
 def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:
     """What a window's engine steps did: counter differences, and for the plugin the share of
     its counted steps replayed from a graph and run eager by reason (warm-up steps before a
-    lazy capture are not counted by the plugin), its captures and their seconds by step kind,
+    lazy capture are not counted by the plugin), its captures and their seconds by step kind
+    (`step_captures`: those a step waited for, i.e. not made while the engine was idle),
     the padding's share of the rows its padded steps ran by kind (the bucket ladder's waste),
     and the graph pool's bytes by kind at the window's end."""
     diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
@@ -336,6 +340,7 @@ def step_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict
         replays_by_kind={k: int(v) for k, v in by_kind("replays", diff).items()},
         captures=int(diff.get("captures", 0)),
         captures_by_kind={k: int(v) for k, v in by_kind("captures", diff).items()},
+        step_captures=int(diff.get("step_captures", 0)),
         capture_s_by_kind={k: round(v, 3) for k, v in by_kind("capture_s", diff).items()},
         padding_share=padding_share,
         pool_mib_by_kind={k: round(v / 2**20, 1) for k, v in by_kind("pool_bytes", after).items()},

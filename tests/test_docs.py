@@ -110,3 +110,11 @@ def test_result_index_names_every_result_file_and_only_those():
     matching_nothing = [g for g in patterns if not fnmatch.filter(files, g)]
     assert unlisted == [], f"result files the index in {INDEX_DOC.name} does not name"
     assert matching_nothing == [], f"index entries in {INDEX_DOC.name} that match no file"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
+def test_every_metric_is_documented(doc):
+    from vllm_moe_graphs.metrics import METRICS
+
+    text = (ROOT / doc).read_text()
+    assert [name for name in METRICS if f"`{name}" not in text] == []

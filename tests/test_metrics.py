@@ -69,7 +69,7 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     rec = MetricsRecorder(rank=0, directory=str(tmp_path))
     stats = GraphStats(scratch_bytes=64)
     stats.capture(StepKind.DECODE, 0.5, 2048)
-    stats.capture(StepKind.MIXED, 0.25, 4096)
+    stats.capture(StepKind.MIXED, 0.25, 4096, on_step=True)
     for _ in range(3):
         stats.replay()
     stats.fallback(Reason.MIXED_BATCH, StepKind.MIXED)
@@ -82,6 +82,8 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     assert _value(text, "moe_graphs_pool_bytes", kind="mixed") == 4096
     assert _value(text, "moe_graphs_captures_total", kind="mixed") == 1
     assert _value(text, "moe_graphs_capture_seconds_sum", kind="mixed") == 0.25
+    assert _value(text, "moe_graphs_step_captures_total", kind="mixed") == 1
+    assert _value(text, "moe_graphs_step_captures_total", kind="decode") == 0
     rec.publish(stats)  # nothing changed: nothing added
     stats.replay()
     stats.replay(StepKind.PREFILL)

@@ -149,6 +149,40 @@ def test_step_shares_from_real_exposition():
     assert by_kind["pool_mib_by_kind"] == {"mixed": 12.0}  # the gauge at the window's end
 
 
+def test_step_shares_from_the_plugins_own_metrics(tmp_path):
+    """The plugin's real recorder and /metrics collector, read by the benchmark: captures by
+    kind, those inside steps, replays, fallbacks, padding."""
+    from vllm_moe_graphs.graphs.kinds import StepKind
+    from vllm_moe_graphs.graphs.stats import GraphStats
+    from vllm_moe_graphs.metrics import MetricsRecorder
+    from vllm_moe_graphs.metrics_transport import PluginCollector
+    from vllm_moe_graphs.capability import Reason
+
+    def scrape() -> dict:
+        reg = CollectorRegistry()
+        reg.register(PluginCollector(str(tmp_path)))
+        return step_counters(generate_latest(reg).decode())
+
+    rec, stats = MetricsRecorder(rank=0, directory=str(tmp_path)), GraphStats()
+    stats.capture(StepKind.MIXED, 0.25, 2**20)  # while idle: no step waited
+    rec.publish(stats)
+    before = scrape()
+    stats.capture(StepKind.DECODE, 0.5, 2**20, on_step=True)
+    stats.capture(StepKind.MIXED, 0.125, 2**20)
+    for kind in (StepKind.DECODE, StepKind.DECODE, StepKind.MIXED):
+        stats.replay(kind)
+    stats.fallback(Reason.KILL_SWITCH, StepKind.MIXED)
+    stats.padded_step(StepKind.MIXED, 90, 10)
+    rec.publish(stats)
+    s = step_shares(before, scrape())
+    assert s["captures"] == 2 and s["step_captures"] == 1
+    assert s["captures_by_kind"] == {"decode": 1, "mixed": 1}
+    assert s["capture_s_by_kind"] == {"decode": 0.5, "mixed": 0.125}
+    assert s["replays_by_kind"] == {"decode": 2, "mixed": 1} and s["eager"] == {"kill_switch": 1}
+    assert s["padding_share"] == {"mixed": 0.1} and s["pool_mib_by_kind"] == {
+        "decode": 1.0, "mixed": 2.0}
+
+
 def test_log_facts_reads_what_vllm_logs():
     log = "\n".join([
         "INFO ... Initializing a V1 LLM engine (v0.26.0) with config: model='m', "

@@ -46,6 +46,9 @@ METRICS: dict[str, str] = {
     "moe_graphs_replays_total": "engine steps replayed from a CUDA graph, by step kind",
     "moe_graphs_eager_fallbacks_total": "engine steps run eager, by reason and step kind",
     "moe_graphs_captures_total": "CUDA graphs captured, by the kind of the step that captured",
+    "moe_graphs_step_captures_total": "CUDA graphs captured inside a serving step, which waited "
+    "for the capture (a key's first use: lazy capture), by step kind; the other captures ran at "
+    "start-up (precapture) or while the engine waited for requests (idle_capture)",
     "moe_graphs_capture_failures_total": "CUDA graph captures that failed (key quarantined), by "
     "step kind",
     "moe_graphs_capture_seconds": "time to capture one CUDA graph, by step kind",
@@ -128,6 +131,10 @@ class MetricsRecorder:
             captures = Counter("moe_graphs_captures", METRICS["moe_graphs_captures_total"],
                                ["kind", "rank"], registry=None)
             self._captures = {k: captures.labels(k.value, r) for k in StepKind}
+            step_captures = Counter("moe_graphs_step_captures",
+                                    METRICS["moe_graphs_step_captures_total"], ["kind", "rank"],
+                                    registry=None)
+            self._step_captures = {k: step_captures.labels(k.value, r) for k in StepKind}
             failures = Counter(
                 "moe_graphs_capture_failures", METRICS["moe_graphs_capture_failures_total"],
                 ["kind", "rank"], registry=None)
@@ -152,6 +159,7 @@ class MetricsRecorder:
                 registry=None, multiprocess_mode="max").labels(r)
         # the GraphStats counters `publish` sends, each with its label children by step kind
         self._by_kind = (("replays_by_kind", self._replays), ("captures_by_kind", self._captures),
+                         ("step_captures_by_kind", self._step_captures),
                          ("capture_failures_by_kind", self._capture_failures),
                          ("real_rows_by_kind", self._real_rows),
                          ("padding_rows_by_kind", self._padding_rows))
@@ -175,8 +183,11 @@ class MetricsRecorder:
             raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
         self._fallbacks[reason, StepKind(kind)].inc(n)
 
-    def capture(self, seconds: float, kind: StepKind = StepKind.DECODE) -> None:
+    def capture(self, seconds: float, kind: StepKind = StepKind.DECODE,
+                on_step: bool = False) -> None:
         self._captures[StepKind(kind)].inc()
+        if on_step:
+            self._step_captures[StepKind(kind)].inc()
         self._capture_seconds[StepKind(kind)].observe(seconds)
 
     def record_invalidation(self, reason: Reason) -> None:

@@ -346,6 +346,7 @@ def check_parity(result: dict) -> dict:
     return {"rows": rows, "config": result["config"], "startup_s": result["startup_s"],
             "mode_graphs": metric(phases[-1]["metrics"], "moe_graphs_info", mode="graphs"),
             "captures": metric(phases[-1]["metrics"], "moe_graphs_captures_total"),
+            "step_captures": metric(phases[-1]["metrics"], "moe_graphs_step_captures_total"),
             "pool_bytes": metric(phases[-1]["metrics"], "moe_graphs_pool_bytes"),
             "scratch_bytes": metric(phases[-1]["metrics"], "moe_graphs_scratch_bytes"),
             "graph_logits_handed_over": result.get("graph_logits_handed_over"),
@@ -957,6 +958,7 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
                "done_logged": sum("idle capture done: no key left" in ln for ln in open(log)),
                "sequential_identical": sum(a == b for a, b in zip(graphed, killed, strict=True)),
                "captures_at_end": metric(after, "moe_graphs_captures_total"),
+               "step_captures_at_end": metric(after, "moe_graphs_step_captures_total"),
                "kill_switch_fallbacks": metric(after, "moe_graphs_eager_fallbacks_total",
                                                reason="kill_switch"),
                "log_tail": tail(log, 15)}
@@ -970,6 +972,7 @@ def test_idle_capture_captures_while_idle_then_serves_without_capture(tmp_path):
     # the idle-captured graphs compute what eager steps of the same keys compute
     assert summary["sequential_identical"] == 8 and summary["kill_switch_fallbacks"] > 0, summary
     assert summary["captures_at_end"] == summary["keys"], summary
+    assert summary["step_captures_at_end"] == 0, summary  # no step ever waited for a capture
 
 
 def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
@@ -1024,6 +1027,7 @@ def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
                "identical_after_wake": sum(a == b for a, b in zip(before, after, strict=True)),
                "captures_while_serving": metric(text, "moe_graphs_captures_total")
                - metric(woken, "moe_graphs_captures_total"),
+               "step_captures": metric(text, "moe_graphs_step_captures_total"),
                "fallbacks": metric(text, "moe_graphs_eager_fallbacks_total"),
                "replays_decode": metric(text, "moe_graphs_replays_total", kind="decode"),
                "log_tail": tail(log, 15)}
@@ -1033,4 +1037,4 @@ def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
     assert summary["captures_after_wake"] == keys and summary["done_logged"] == 2, summary
     assert summary["identical_after_wake"] == 4, summary
     assert summary["captures_while_serving"] == 0 and summary["fallbacks"] == 0, summary
-    assert summary["replays_decode"] > 0, summary
+    assert summary["replays_decode"] > 0 and summary["step_captures"] == 0, summary

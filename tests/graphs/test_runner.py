@@ -16,6 +16,7 @@ import torch
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs import Action, CapturedGraph, Decision, DecodeGraphRunner, GraphKey
+from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.killswitch import KillSwitch
 from vllm_moe_graphs.kv.storage import PagedKVStorage
 
@@ -140,6 +141,7 @@ def test_warmup_capture_replay_sequence():
     assert cap.captures == 1 and cap.replays == 3  # one replay serves the capture step
     assert before.replay.call_count == 3
     assert stats.replays == 3 and stats.captures == 1 and len(stats.capture_seconds) == 1
+    assert stats.step_captures_by_kind == {StepKind.DECODE: 1}, "the step waited for it"
     assert stats.fallbacks == {}  # warm-up is not a fallback
     assert (stats.pool_bytes, stats.scratch_bytes) == (MIB, 0)
     assert runner.pool_bytes == MIB
@@ -344,13 +346,14 @@ def test_close_is_idempotent_and_final():
 
 
 def test_precapture_largest_first_with_prepare():
-    runner, toy, cap, _ = make(config(context_buckets=(16,)))
+    runner, toy, cap, stats = make(config(context_buckets=(16,)))
     prepared = []
     result = runner.precapture(prepare=prepared.append)
     assert [k.batch_bucket for k in prepared] == [8, 4, 2, 1]
     assert set(result.values()) == {Reason.ELIGIBLE} and len(runner.keys) == 4
     assert runner.precapture([GraphKey(2, 16)]) == {GraphKey(2, 16): Reason.ELIGIBLE}
     assert cap.captures == 4
+    assert stats.captures == 4 and stats.step_captures == 0, "no serving step waited for them"
     assert step(runner, toy, 2).action is Action.REPLAY, "precaptured keys skip warm-up"
 
 

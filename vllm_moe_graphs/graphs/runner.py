@@ -234,7 +234,7 @@ class DecodeGraphRunner:
         if d.action is Action.REPLAY:
             out = self._replay(self._graphs[d.key].graph)
         elif d.action is Action.CAPTURE:
-            graph = self._capture(d.key, fwd, kind)
+            graph = self._capture(d.key, fwd, kind, on_step=True)
             if graph is None:  # quarantined (policy QUARANTINE): this step runs eager
                 d = Decision(Action.EAGER, d.key, Reason.CAPTURE_FAILED, num_reqs)
                 out = fwd(num_reqs)
@@ -339,10 +339,11 @@ class DecodeGraphRunner:
         graph.replay()
         return graph.output
 
-    def _capture(self, key: GraphKey, forward: Forward,
-                 kind: StepKind = StepKind.DECODE) -> CapturedGraph | None:
-        """Capture `key` (for a step of `kind`, the label its capture is counted under); None
-        when it failed and was quarantined (policy QUARANTINE)."""
+    def _capture(self, key: GraphKey, forward: Forward, kind: StepKind = StepKind.DECODE,
+                 on_step: bool = False) -> CapturedGraph | None:
+        """Capture `key` (for a step of `kind`, the label its capture is counted under;
+        `on_step`: inside a serving step, lazily); None when it failed and was quarantined
+        (policy QUARANTINE)."""
         assert key not in self._graphs, f"{key} is already captured"
         if self._pool is None:
             self._pool = self._new_pool()
@@ -374,7 +375,7 @@ class DecodeGraphRunner:
         seconds = time.perf_counter() - start
         self._graphs[key] = _Graph(graph, generation)
         self._pool_bytes += graph.pool_bytes
-        self.stats.capture(kind, seconds, graph.pool_bytes)
+        self.stats.capture(kind, seconds, graph.pool_bytes, on_step)
         if self._pool_bytes >= self._budget_bytes:
             logger.warning("moe_graphs: graph pool at %.1f MiB reached the budget of %d MiB; "
                            "further captures are denied (%s)", self._pool_bytes / _MIB,

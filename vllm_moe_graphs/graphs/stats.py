@@ -30,6 +30,9 @@ class GraphStats:
         default_factory=dict)
     # by the kind of the step that captured (precapture: decode keys decode, others mixed)
     captures_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
+    # of those, the captures a serving step waited for (a key's first use: lazy capture), not
+    # made at start-up (precapture) or while the engine was idle (idle_capture)
+    step_captures_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     capture_failures_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     # (kind, seconds) of each capture not yet published
     capture_seconds: list[tuple[StepKind, float]] = dataclasses.field(default_factory=list)
@@ -51,8 +54,12 @@ class GraphStats:
         _add(self.real_rows_by_kind, kind, real)
         _add(self.padding_rows_by_kind, kind, padding)
 
-    def capture(self, kind: StepKind, seconds: float, pool_growth: int) -> None:
+    def capture(self, kind: StepKind, seconds: float, pool_growth: int,
+                on_step: bool = False) -> None:
+        """One capture; `on_step`: inside a serving step, which waited for it."""
         _add(self.captures_by_kind, kind)
+        if on_step:
+            _add(self.step_captures_by_kind, kind)
         self.capture_seconds.append((kind, seconds))
         _add(self.pool_bytes_by_kind, kind, pool_growth)
 
@@ -77,6 +84,10 @@ class GraphStats:
     @property
     def captures(self) -> int:
         return sum(self.captures_by_kind.values())
+
+    @property
+    def step_captures(self) -> int:
+        return sum(self.step_captures_by_kind.values())
 
     @property
     def capture_failures(self) -> int:
