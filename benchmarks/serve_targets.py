@@ -7,8 +7,9 @@ Targets (plugin against `stock`, vLLM's H200 default, at each measured rate):
   workload: 1.2 on `chat`; 1.0 on `long`, whose 4k-8k-token prefills are GPU-bound;
 - at saturation (every rate from there on): output tokens/s at least stock's;
 - on `chat` at REPLAY_RATES: at least REPLAYED_SHARE of the engine steps replayed.
-A point that misses is listed with its value and the floor; so is a target that the file has no
-point for (no saturated rate, no row at a replay rate).
+A point that misses is listed with its value and the floor, and with the graph captures the
+plugin's window held (a lazy capture pauses every request in flight); so is a target that the
+file has no point for (no saturated rate, no row at a replay rate).
 
 Coverage (what one shape's result file must hold, `coverage`): the modes COVERAGE_MODES on
 `chat` and `long` at MIN_RATES or more rates each, up to a rate that saturated one of them;
@@ -69,8 +70,20 @@ def points(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append({"workload": workload, "rate": rate, "saturated": saturated,
                         "ratios": {m: doc["ratios"].get(k) for m, k in keys.items()},
                         "replayed": (plugin[rate].get("steps") or {}).get("replayed_share"),
+                        "captures": _captures(plugin[rate].get("steps") or {}),
                         "across_runs": any(k in across for k in keys.values())})
     return out
+
+
+def _captures(steps: Mapping[str, Any]) -> str:
+    """What the plugin's window captured, for a miss' line: '' when nothing."""
+    n = steps.get("captures") or 0
+    if not n:
+        return ""
+    inside = steps.get("step_captures")
+    seconds = sum((steps.get("capture_s_by_kind") or {}).values())
+    return (f"; the plugin's window held {n} capture{'s' if n != 1 else ''}"
+            + ("" if inside is None else f", {inside} inside steps") + f" ({seconds:.2f} s)")
 
 
 def misses(doc: Mapping[str, Any]) -> list[str]:
@@ -87,12 +100,13 @@ def misses(doc: Mapping[str, Any]) -> list[str]:
         for p in pts:
             where = f"{model} {workload} r{p['rate']:g}"
             if not p["saturated"]:
-                out += [f"{where}: {m} {v:.2f}x < {floor}x" if v is not None else
-                        f"{where}: {m} not measured"
+                out += [(f"{where}: {m} {v:.2f}x < {floor}x" if v is not None else
+                         f"{where}: {m} not measured") + p["captures"]
                         for m in LATENCY_RATIOS
                         if (v := p["ratios"][m]) is None or v < floor]
             elif (v := p["ratios"]["otps"]) is None or v < 1.0:
-                out.append(f"{where} (saturated): output tok/s {_x(v)} of {AGAINST}'s < 1.0x")
+                out.append(f"{where} (saturated): output tok/s {_x(v)} of {AGAINST}'s < 1.0x"
+                           + p["captures"])
         if not any(p["saturated"] for p in pts):
             out.append(f"{model} {workload}: no saturated point up to "
                        f"{max(p['rate'] for p in pts):g} req/s (output tok/s at saturation "

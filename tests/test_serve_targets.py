@@ -52,15 +52,18 @@ def test_each_kind_of_miss_is_listed_with_its_value_and_floor():
             _row("plugin", "chat", 8, 40.0, 2.0, 8000.0),
             _row("stock", "chat", 8, 60.0, 2.5, 8000.0),
             _row("plugin", "long", 1, 100.0, 10.0, 100.0),
-            _row("stock", "long", 1, 99.0, 10.0, 100.0),  # TTFT 0.99x < 1.0x
+            _row("stock", "long", 1, 99.0, 10.0, 100.0),  # TTFT 0.99x < 1.0x, 2 captures
             _row("plugin", "long", 4, 900.0, 10.0, 90.0),  # saturated, fewer tokens/s
             _row("stock", "long", 4, 900.0, 10.0, 100.0)]
+    rows[4]["steps"].update(captures=2, step_captures=1,
+                            capture_s_by_kind={"mixed": 0.25, "decode": 0.125})
     missed = serve_targets.misses(_doc(rows))
+    held = "; the plugin's window held 2 captures, 1 inside steps (0.38 s)"
     assert missed == [
         "m chat r4: tpot_p50 1.10x < 1.2x", "m chat r4: tpot_p99 1.10x < 1.2x",
         "m chat: no saturated point up to 8 req/s (output tok/s at saturation not shown)",
         "m chat r4: 90.0% of steps replayed < 95%", "m chat r16: no replayed share measured",
-        "m long r1: ttft_p50 0.99x < 1.0x", "m long r1: ttft_p99 0.99x < 1.0x",
+        "m long r1: ttft_p50 0.99x < 1.0x" + held, "m long r1: ttft_p99 0.99x < 1.0x" + held,
         "m long r4 (saturated): output tok/s 0.90x of stock's < 1.0x"], missed
 
 
