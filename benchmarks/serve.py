@@ -301,10 +301,12 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
                 if w.server != server:
                     continue
                 warm = _warmup_rates(args, rates) if args.warmup_s > 0 else []
+                windows = ", ".join(
+                    f"r{r:g} {max(args.min_requests, round(r * args.duration_s))} requests"
+                    for r in rates)
                 lines.append(f"    {w.name}: warm-up {args.warmup_s:g} s at "
-                             f"{','.join(f'{r:g}' for r in warm) or 'no rate'} req/s; windows "
-                             + ", ".join(f"r{r:g} {max(args.min_requests, round(r * args.duration_s))}"
-                                         " requests" for r in rates))
+                             f"{','.join(f'{r:g}' for r in warm) or 'no rate'} req/s; "
+                             f"windows {windows}")
     budget = args.time_budget_s
     fits = "" if budget is None else (
         f"; --time-budget-s {budget:g} ({budget - RESERVE_S:g} s for windows): "

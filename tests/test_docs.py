@@ -53,8 +53,8 @@ def anchors(text: str) -> set[str]:
 
 
 def test_slug_and_anchors_follow_github():
-    text = "# Results on the H200 (vLLM 0.26.0)\n```\n# not a heading\n```\n## Results on the H200\n" \
-           "## Results on the H200\n### Where a step's time goes\n"
+    text = ("# Results on the H200 (vLLM 0.26.0)\n```\n# not a heading\n```\n"
+            "## Results on the H200\n## Results on the H200\n### Where a step's time goes\n")
     assert anchors(text) == {"results-on-the-h200-vllm-0260", "results-on-the-h200",
                              "results-on-the-h200-1", "where-a-steps-time-goes"}
 
