@@ -20,6 +20,15 @@ heap again: 0.25-0.3 s each, 3-3.6 s of a 7.9 s warm start on the H200 (`benchma
 startup_trace.py`). vLLM freezes the same heap when the engine is ready; this only does it
 earlier. What the freeze keeps alive is what was reachable at the freeze (one collection runs
 first); GPU memory cannot be held by it, since nothing on the device exists yet.
+
+KV cache memory: with vLLM's own graphs off, vLLM sets aside no memory for graphs (its graph
+memory estimate runs only when `cudagraph_mode` is not NONE), so the plugin's graph pool would
+live outside `--gpu-memory-utilization`. `determine_available_memory` takes the pool's budget
+(`graph_memory_budget_mib`) out of the KV cache memory vLLM computed, as vLLM does with its own
+estimate, under the same switch (`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`, on by default) and
+not when the operator fixes the KV cache with `kv_cache_memory_bytes` (vLLM's own rule: that
+setting does not respect the utilization). A KV size vLLM takes from a saved start-up plan
+(`VLLM_ENABLE_STARTUP_PLAN=1`) was profiled without the pool, so the budget comes off it too.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ WORKER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "__init__": ("self", "vllm_config", "local_rank", "rank", "distributed_init_method",
                  "is_driver_worker"),
     "init_device": ("self",),
+    "determine_available_memory": ("self",),
 }
 
 
@@ -57,6 +67,26 @@ def check_worker_points(base: type = Worker) -> None:
         check_parameters(f"{base.__module__}.{base.__qualname__}.{name}", getattr(base, name),
                          expected)
     runner_class.check()
+
+
+def graph_pool_reserve(budget_mib: int, estimate_graphs: bool,
+                       kv_cache_memory_bytes: int | None) -> int:
+    """Bytes of vLLM's KV cache memory to set aside for the graph pool (module doc)."""
+    if not estimate_graphs or kv_cache_memory_bytes:
+        return 0
+    return budget_mib * 2**20
+
+
+def kv_memory_after_reserve(available: int, reserve: int, utilization: float) -> int:
+    """`available` KV cache bytes less `reserve`; a clear error when nothing would be left."""
+    if reserve and available <= reserve:
+        raise ValueError(
+            f"moe_graphs: vLLM found {available / 2**30:.2f} GiB for the KV cache at "
+            f"--gpu-memory-utilization {utilization:g}; the graph pool's budget set aside from "
+            f"it (graph_memory_budget_mib {reserve // 2**20}) leaves none. Raise "
+            "--gpu-memory-utilization, or lower graph_memory_budget_mib in --additional-config "
+            "'{\"moe_graphs\": {\"graph_memory_budget_mib\": ...}}'.")
+    return available - reserve
 
 
 def freeze_import_heap() -> tuple[int, float]:
@@ -100,6 +130,31 @@ class MoeGraphsWorker(Worker):
                 f"vllm.v1.worker.gpu_model_runner.{runner_class.RUNNER_ATTRIBUTE} when it "
                 "builds the runner. Set "
                 "MOE_GRAPHS_DISABLE=1 to run stock vLLM.")
+
+    def determine_available_memory(self) -> int:
+        fixed = self.cache_config.kv_cache_memory_bytes  # the operator's, not a saved plan's
+        available = super().determine_available_memory()
+        lifecycle = getattr(self.model_runner, "moe_graphs", None)
+        if lifecycle is None or not lifecycle.config.enabled:
+            return available  # the V2 runner: no graphs of ours
+        import vllm.envs as vllm_envs
+
+        budget = lifecycle.config.graph_memory_budget_mib
+        reserve = graph_pool_reserve(budget, vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS,
+                                     fixed)
+        if not reserve and budget:
+            logger.info("moe_graphs: the graph pool (up to %d MiB) is not taken out of the KV "
+                        "cache memory (kv_cache_memory_bytes is set, or "
+                        "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): keep that much GPU memory "
+                        "free beyond it", budget)
+        if not reserve:
+            return available
+        left = kv_memory_after_reserve(available, reserve,
+                                       self.cache_config.gpu_memory_utilization)
+        logger.info("moe_graphs: %d MiB of the KV cache memory set aside for the CUDA graph "
+                    "pool (graph_memory_budget_mib), as vLLM does for its own graphs: KV cache "
+                    "%.2f GiB", budget, left / 2**30)
+        return left
 
     def moe_graphs_idle_capture(self) -> bool:
         """One capture while the engine waits for requests (`idle_capture`; called through
