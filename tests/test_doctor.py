@@ -210,3 +210,21 @@ def test_doctor_says_whether_moe_padding_rows_skip_the_experts(capsys):
     assert doctor.moe_padding_lines(PluginConfig(skip_moe_padding=True), 64) == [
         "padding rows of padded steps: routed through the experts like real tokens: 64 experts "
         "(skipping them needs more than 64)"]
+
+
+def test_doctor_says_where_the_graph_pool_memory_comes_from(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", raising=False)
+    code, out = _run(capsys, "qwen3-0.6b", "--gpu-memory-utilization", "0.8")
+    assert ("graph memory: a pool of up to 2048 MiB (graph_memory_budget_mib), taken out of the "
+            "KV cache memory within --gpu-memory-utilization 0.8") in out
+    assert "not read" not in out  # the memory flags are doctor's own
+    code, out = _run(capsys, "qwen3-0.6b", "--kv-cache-memory-bytes", "8000000000",
+                     "--additional-config", '{"moe_graphs": {"graph_memory_budget_mib": 512}}')
+    assert ("up to 512 MiB (graph_memory_budget_mib), not taken out of the KV cache "
+            "(--kv-cache-memory-bytes 8000000000 sizes it)") in out
+    monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert "not taken out of the KV cache (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0)" in out
+    assert doctor.memory_lines(PluginConfig(graph_memory_budget_mib=0), 0.9, None, True) == [
+        "graph memory: none (graph_memory_budget_mib 0: every capture is denied, steps run "
+        "eager with memory_budget)"]

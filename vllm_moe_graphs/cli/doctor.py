@@ -54,7 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--additional-config", type=_json, default=None)
+    # where the graph pool's memory comes from (memory_lines), not eligibility
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", default=None)
     return p
+
+
+MEMORY_FLAGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
 
 
 def prefill_steps_lines(cfg: PluginConfig, fa3_problem: str | None) -> list[str]:
@@ -112,6 +118,27 @@ def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
     return [f"padding rows of padded steps: {how}"]
 
 
+def memory_lines(cfg: PluginConfig, gpu_memory_utilization: float,
+                 kv_cache_memory_bytes: str | None, estimate_graphs: bool) -> list[str]:
+    """Where the graph pool's memory comes from (integration/worker.py's accounting):
+    `estimate_graphs` is vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS."""
+    budget = cfg.graph_memory_budget_mib
+    if not budget:
+        return ["graph memory: none (graph_memory_budget_mib 0: every capture is denied, steps "
+                "run eager with memory_budget)"]
+    if kv_cache_memory_bytes:
+        where = (f"not taken out of the KV cache (--kv-cache-memory-bytes "
+                 f"{kv_cache_memory_bytes} sizes it): keep that much GPU memory free beyond it")
+    elif not estimate_graphs:
+        where = ("not taken out of the KV cache (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): "
+                 "keep that much GPU memory free beyond --gpu-memory-utilization "
+                 f"{gpu_memory_utilization:g}")
+    else:
+        where = (f"taken out of the KV cache memory within --gpu-memory-utilization "
+                 f"{gpu_memory_utilization:g}, as vLLM does for its own graphs")
+    return [f"graph memory: a pool of up to {budget} MiB (graph_memory_budget_mib), {where}"]
+
+
 def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], list[str]]:
     """Parse `MODEL [engine args]`; return (model, report, the lines on how steps run (prefill
     tokens, MoE padding rows), flags doctor did not read). The arguments are parsed before vLLM
@@ -129,11 +156,16 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
 
     model = resolve_model(args.model_or_config_dir)
     hf = read_hf_config(model)
-    kwargs = {k: v for k, v in vars(args).items() if k != "model_or_config_dir" and v is not None}
+    kwargs = {k: v for k, v in vars(args).items()
+              if k != "model_or_config_dir" and k not in MEMORY_FLAGS and v is not None}
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    steps = prefill + capture_lines(cfg) + moe_padding_lines(cfg, hf.get("num_experts"))
+    import vllm.envs as vllm_envs
+
+    steps = (prefill + capture_lines(cfg) + moe_padding_lines(cfg, hf.get("num_experts"))
+             + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
+                            vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS))
     return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
 
 
