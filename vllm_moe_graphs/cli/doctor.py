@@ -148,7 +148,10 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     from vllm import EngineArgs
 
     from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_problem
-    from vllm_moe_graphs.integration.config_facts import facts_from_engine_args
+    from vllm_moe_graphs.integration.config_facts import (
+        facts_from_engine_args,
+        vllm_sets_aside_graph_memory,
+    )
     from vllm_moe_graphs.model_configs import read_hf_config, resolve_model
 
     cfg = PluginConfig.from_additional_config(args.additional_config)
@@ -161,11 +164,9 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    import vllm.envs as vllm_envs
-
     steps = (prefill + capture_lines(cfg) + moe_padding_lines(cfg, hf.get("num_experts"))
              + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
-                            vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS))
+                            vllm_sets_aside_graph_memory()))
     return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
 
 

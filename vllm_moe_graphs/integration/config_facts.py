@@ -30,6 +30,15 @@ def _offload_mode(backend: str, cpu_offload_gb: float, offload_group_size: int) 
     return "none"
 
 
+def vllm_sets_aside_graph_memory() -> bool:
+    """vLLM's `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (on by default): whether graph memory
+    comes out of the KV cache memory (integration/worker.py takes the plugin's pool budget off
+    under the same switch)."""
+    import vllm.envs as vllm_envs
+
+    return bool(vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)
+
+
 def _is_cuda() -> bool:
     from vllm.platforms import current_platform
 

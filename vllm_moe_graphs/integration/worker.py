@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_moe_graphs.integration.config_facts import vllm_sets_aside_graph_memory
 from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 from vllm_moe_graphs.integration.patch import runner_class
 from vllm_moe_graphs.integration.signatures import (
@@ -137,11 +138,8 @@ class MoeGraphsWorker(Worker):
         lifecycle = getattr(self.model_runner, "moe_graphs", None)
         if lifecycle is None or not lifecycle.config.enabled:
             return available  # the V2 runner: no graphs of ours
-        import vllm.envs as vllm_envs
-
         budget = lifecycle.config.graph_memory_budget_mib
-        reserve = graph_pool_reserve(budget, vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS,
-                                     fixed)
+        reserve = graph_pool_reserve(budget, vllm_sets_aside_graph_memory(), fixed)
         if not reserve and budget:
             logger.info("moe_graphs: the graph pool (up to %d MiB) is not taken out of the KV "
                         "cache memory (kv_cache_memory_bytes is set, or "
