@@ -337,7 +337,8 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
             _say(t0, f"{mode.name}/{server_kind}: ready in {info['ready_s']} s; attention "
                      f"{info['attention_backend']}, cudagraph {info['cudagraph_mode']}, "
                      f"compile {info['compilation_mode']}, plugin "
-                     f"{'yes' if info['plugin'] else 'no'}")
+                     f"{'yes' if info['plugin'] else 'no'}, KV cache "
+                     f"{info['kv_cache_tokens'] or '?'} tokens")
             if plan.settles(mode):
                 _settle(server, args, info, lambda m: _say(t0, f"{mode.name}/{server_kind}: {m}"))
             info["warmup"] = {}

@@ -119,15 +119,21 @@ _LOG_FACTS = {
     "cudagraph_mode": (re.compile(r"'cudagraph_mode': <CUDAGraphMode\.(\w+)"),),
     "compilation_mode": (re.compile(r"'mode': <CompilationMode\.(\w+)"),),
     "plugin": (re.compile(r"(moe_graphs [\d.]+: registered)"),),
+    "kv_cache_tokens": (re.compile(r"GPU KV cache size: ([\d,]+) tokens"),),
+    "graph_pool_set_aside_mib": (
+        re.compile(r"moe_graphs: (\d+) MiB of the KV cache memory set aside"),),
 }
+_INT_FACTS = ("kv_cache_tokens", "graph_pool_set_aside_mib")
 
 
-def log_facts(log_text: str) -> dict[str, str | None]:
+def log_facts(log_text: str) -> dict[str, str | int | None]:
     """The resolved attention backend, CUDA-graph mode and compilation mode in a server log,
-    and whether our plugin registered (None for what the log does not say)."""
-    out: dict[str, str | None] = {}
+    whether our plugin registered, the KV cache's size in tokens and the MiB the plugin set
+    aside from it for its graph pool (None for what the log does not say)."""
+    out: dict[str, str | int | None] = {}
     for key, patterns in _LOG_FACTS.items():
-        out[key] = next((m.group(1) for p in patterns if (m := p.search(log_text))), None)
+        found = next((m.group(1) for p in patterns if (m := p.search(log_text))), None)
+        out[key] = int(found.replace(",", "")) if found and key in _INT_FACTS else found
     return out
 
 

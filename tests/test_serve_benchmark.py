@@ -189,10 +189,13 @@ def test_log_facts_reads_what_vllm_logs():
         "compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': "
         "<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>}",
         "INFO ... Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN'].",
+        "(EngineCore pid=12) INFO 12-04 [kv_cache_utils.py:2177] GPU KV cache size: 1,234,567 "
+        "tokens",
     ])
     assert log_facts(log) == {"attention_backend": "FLASH_ATTN",
                               "cudagraph_mode": "FULL_AND_PIECEWISE",
-                              "compilation_mode": "VLLM_COMPILE", "plugin": None}
+                              "compilation_mode": "VLLM_COMPILE", "plugin": None,
+                              "kv_cache_tokens": 1234567, "graph_pool_set_aside_mib": None}
     chosen = "INFO moe_graphs 0.1.0: registered in process X\nUsing AttentionBackendEnum.CUSTOM " \
              "backend."
     facts = log_facts(chosen)

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm.v1.worker.gpu_worker")
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
+from benchmarks.serve_server import log_facts  # noqa: E402
 from vllm_moe_graphs.config import PluginConfig  # noqa: E402
 from vllm_moe_graphs.integration.worker import (  # noqa: E402
     MoeGraphsWorker,
@@ -47,6 +48,7 @@ def test_the_pool_budget_comes_out_of_vllms_kv_memory(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         assert worker(monkeypatch, 40 * GIB).determine_available_memory() == 40 * GIB - 2048 * MIB
     assert "2048 MiB of the KV cache memory set aside for the CUDA graph pool" in caplog.text
+    assert log_facts(caplog.text)["graph_pool_set_aside_mib"] == 2048  # the serving benchmark
     assert worker(monkeypatch, 40 * GIB, budget=512).determine_available_memory() == \
         40 * GIB - 512 * MIB
 
