@@ -105,6 +105,11 @@ def rate_label(rate: float) -> str:
     return "r" + (str(int(rate)) if float(rate).is_integer() else f"{rate:g}")
 
 
+def window_requests(rate: float, duration_s: float, min_requests: int) -> int:
+    """How many requests a window offers: max(min_requests, rate * duration_s)."""
+    return max(min_requests, round(rate * duration_s))
+
+
 def plan_window(workload: Workload, rate: float, duration_s: float, min_requests: int,
                 seed: int, vocab_size: int) -> list[Request]:
     """The requests of one window: max(min_requests, rate * duration_s) Poisson arrivals.
@@ -117,7 +122,7 @@ def plan_window(workload: Workload, rate: float, duration_s: float, min_requests
         raise ValueError(f"vocab_size {vocab_size} too small for random prompts")
     rng = random.Random(f"{seed}/{workload.name}/{rate!r}")
     ids = range(min(TOKEN_ID_FLOOR, vocab_size // 4), vocab_size)
-    n = max(min_requests, round(rate * duration_s))
+    n = window_requests(rate, duration_s, min_requests)
     out, t = [], 0.0
     for i in range(n):
         t += rng.expovariate(rate)

@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks import serve_report as report
 from benchmarks import serve_targets
 from benchmarks.load import WORKLOADS, Workload, parse_workloads, plan_window, run_window, \
-    summarize
+    summarize, window_requests
 from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ESTIMATE_S, \
     IDLE_CAPTURE_ON, OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, ServeMode, log_facts, \
     parse_modes, plugin_settings, settings_args, step_shares
@@ -267,12 +267,17 @@ def _warmup_rates(args: argparse.Namespace, rates: Sequence[float]) -> list[floa
     return sorted(set(rates)) if args.warmup_rates == "all" else [max(rates)]
 
 
+def _ready_s(mode: ServeMode, server: str) -> float:
+    """Rough seconds from start to /health of one of the mode's servers."""
+    return mode.ready_estimate_s + (OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0.0)
+
+
 def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
     """Rough wall time of one mode: each server's start-up, warm-ups and windows. Shares of
     --time-budget-s are weighted by it."""
     cost = 0.0
     for server in plan.servers():
-        cost += mode.ready_estimate_s + (OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0)
+        cost += _ready_s(mode, server)
         cost += IDLE_CAPTURE_ESTIMATE_S if plan.settles(mode) else 0.0
         for w, rates in plan.workloads:
             if w.server == server:
@@ -291,18 +296,17 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
         total += cost
         lines.append(f"{mode.name}: ~{cost:.0f} s")
         for server in plan.servers():
-            extra = OFFLOAD_READY_EXTRA_S if server == "moe_offload" else 0.0
             settle = (f", then up to {args.settle_timeout_s:g} s settling its idle capture "
                       f"(~{IDLE_CAPTURE_ESTIMATE_S:.0f} s planned)" if plan.settles(mode) else "")
             sargs = " ".join(plan.server_args(mode, server, args.server_arg, args.offload_gb))
-            lines.append(f"  server {server}: ready in ~{mode.ready_estimate_s + extra:.0f} s"
+            lines.append(f"  server {server}: ready in ~{_ready_s(mode, server):.0f} s"
                          f"{settle}: vllm serve {sargs}")
             for w, rates in plan.workloads:
                 if w.server != server:
                     continue
                 warm = _warmup_rates(args, rates) if args.warmup_s > 0 else []
                 windows = ", ".join(
-                    f"r{r:g} {max(args.min_requests, round(r * args.duration_s))} requests"
+                    f"r{r:g} {window_requests(r, args.duration_s, args.min_requests)} requests"
                     for r in rates)
                 lines.append(f"    {w.name}: warm-up {args.warmup_s:g} s at "
                              f"{','.join(f'{r:g}' for r in warm) or 'no rate'} req/s; "
