@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import time
@@ -289,7 +290,8 @@ def mode_cost_s(plan: Plan, mode: ServeMode, args: argparse.Namespace) -> float:
 def plan_text(plan: Plan, args: argparse.Namespace) -> str:
     """The run `args` would make, mode by mode, with the rough wall time the time budget is
     shared by (`mode_cost_s`: start-up estimates, not measurements)."""
-    lines = [f"{plan.model} ({plan.layers} layers), logs in {plan.work_dir}"]
+    logs = plan.work_dir if args.log_dir else "a new temporary folder"
+    lines = [f"{plan.model} ({plan.layers} layers), logs in {logs}"]
     total = 0.0
     for mode in plan.modes:
         cost = mode_cost_s(plan, mode, args)
@@ -445,6 +447,8 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan(args)
     if args.dry_run:
         print(plan_text(plan, args), flush=True)
+        if args.log_dir is None:  # it held only the shape's config directory
+            shutil.rmtree(plan.work_dir, ignore_errors=True)
         return 0
     if not args.allow_cpu and (problem := gpu_problem()):
         print(f"error: the serving benchmark needs an NVIDIA GPU: {problem}. Run it on a GPU "

@@ -484,9 +484,13 @@ def test_dry_run_prints_the_plan_and_whether_it_fits_the_budget(tmp_path):
     assert "server moe_offload" in out and "--cpu-offload-gb 29" in out
     assert "r4 32 requests, r16 128 requests" in out  # max(--min-requests, rate x duration)
     assert out.count("settling its idle capture") == 2  # plugin's two servers, not stock's
-    big = _cli(*common, "--time-budget-s", "5000")
-    assert big.returncode == 0 and big.stdout.splitlines()[-1].endswith(": fits")
     assert not list(tmp_path.iterdir())  # nothing written, no server started
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    big = _cli(*common, "--time-budget-s", "5000", env={**os.environ, "TMPDIR": str(temp)})
+    assert big.returncode == 0 and big.stdout.splitlines()[-1].endswith(": fits")
+    assert "logs in a new temporary folder" in big.stdout
+    assert not list(temp.iterdir())  # the shape's config folder it planned with is gone
 
 
 @pytest.mark.skipif(serve.gpu_problem() is None, reason="this machine has a GPU")
