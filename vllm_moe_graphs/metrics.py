@@ -183,11 +183,8 @@ class MetricsRecorder:
             raise TypeError(f"reason={reason!r} must be a capability.Reason (bounded labels)")
         self._fallbacks[reason, StepKind(kind)].inc(n)
 
-    def capture(self, seconds: float, kind: StepKind = StepKind.DECODE,
-                on_step: bool = False) -> None:
+    def capture(self, seconds: float, kind: StepKind = StepKind.DECODE) -> None:
         self._captures[StepKind(kind)].inc()
-        if on_step:
-            self._step_captures[StepKind(kind)].inc()
         self._capture_seconds[StepKind(kind)].observe(seconds)
 
     def record_invalidation(self, reason: Reason) -> None:

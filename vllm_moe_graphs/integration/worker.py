@@ -140,12 +140,12 @@ class MoeGraphsWorker(Worker):
             return available  # the V2 runner: no graphs of ours
         budget = lifecycle.config.graph_memory_budget_mib
         reserve = graph_pool_reserve(budget, vllm_sets_aside_graph_memory(), fixed)
-        if not reserve and budget:
-            logger.info("moe_graphs: the graph pool (up to %d MiB) is not taken out of the KV "
-                        "cache memory (kv_cache_memory_bytes is set, or "
-                        "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): keep that much GPU memory "
-                        "free beyond it", budget)
         if not reserve:
+            if budget:
+                logger.info("moe_graphs: the graph pool (up to %d MiB) is not taken out of the "
+                            "KV cache memory (kv_cache_memory_bytes is set, or "
+                            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): keep that much GPU "
+                            "memory free beyond it", budget)
             return available
         left = kv_memory_after_reserve(available, reserve,
                                        self.cache_config.gpu_memory_utilization)
