@@ -190,11 +190,11 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
-            "plugin_graphs_skip_moe_padding",
+            "plugin_graphs_moe_padding",
             Family.PLUGIN,
             True,
-            "plugin_graphs with skip_moe_padding on: the padding rows of a padded step skip "
-            "the MoE experts (on request)",
+            "plugin_graphs with skip_moe_padding off: the padding rows of a padded step "
+            "routed through the MoE experts, as stock vLLM does (on request)",
             startup_estimate_s=45.0,
             diagnostic=True,
         ),

@@ -36,6 +36,7 @@ from benchmarks.serve_server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTU
     parse_modes, plugin_settings, settings_args, step_shares
 from benchmarks.shapes import MODELS, prepare_config_dir, read_config
 from benchmarks.sweep import environment, gpu_problem
+from vllm_moe_graphs.config import PluginConfig
 
 EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 RESERVE_S = 20.0  # kept back from --time-budget-s for writing the results
@@ -76,8 +77,6 @@ def _lengths(text: str) -> tuple[str, tuple[int, int], tuple[int, int]]:
 
 def _plugin_config(text: str) -> dict[str, Any]:
     """--plugin-config: a JSON object the plugin's own parser accepts."""
-    from vllm_moe_graphs.config import PluginConfig
-
     try:
         settings = json.loads(text)
         PluginConfig.from_dict(settings)
@@ -157,11 +156,12 @@ def parser() -> argparse.ArgumentParser:
                     help="longest wait for a server's /health (default: 600)")
     ap.add_argument("--plugin-config", type=_plugin_config, default={},
                     help="JSON object of moe_graphs settings for every plugin mode, under each "
-                    "mode's own (e.g. '{\"skip_moe_padding\": true}' to measure candidate "
-                    "defaults as `plugin`); recorded with each server's flags (default: none)")
+                    "mode's own (e.g. '{\"warmup_steps\": 0}' to measure another "
+                    "configuration as `plugin`); recorded with each server's flags (default: "
+                    "none)")
     ap.add_argument("--settle-timeout-s", type=float, default=300.0,
                     help="longest wait after /health for a mode's after-ready work, e.g. "
-                    "plugin_idle_capture's captures (default: 300)")
+                    "the plugin's idle capture (default: 300)")
     ap.add_argument("--settle-stall-s", type=float, default=30.0,
                     help="stop that wait early once the plugin's capture count on /metrics "
                     "has not changed for this many seconds (default: 30; one capture takes "
@@ -239,7 +239,8 @@ class Plan:
 
     def settles(self, mode: ServeMode) -> bool:
         """Whether the mode's servers capture while idle after ready (`_settle` waits)."""
-        return bool((plugin_settings(mode, self.plugin_config) or {}).get("idle_capture"))
+        settings = plugin_settings(mode, self.plugin_config)
+        return settings is not None and PluginConfig.from_dict(settings).idle_capture
 
     def servers(self) -> list[str]:
         return list(dict.fromkeys(w.server for w, _ in self.workloads))

@@ -68,8 +68,9 @@ SERVE_MODES: dict[str, ServeMode] = {
     for m in (
         ServeMode("plugin", "plain `vllm serve` with vllm_moe_graphs installed: the plugin "
                   "replays every step from its graphs (decode, prefill and mixed; steps with "
-                  "prefill tokens attend through FlashAttention 3, prefill_attention auto)",
-                  ready_estimate_s=60.0),
+                  "prefill tokens attend through FlashAttention 3, prefill_attention auto), "
+                  "captured while the server waits for requests (idle_capture; the benchmark "
+                  "lets it finish after ready: settle_s)", ready_estimate_s=60.0),
         ServeMode("stock", "stock vLLM as an H200 user runs it (VLLM_PLUGINS=): its default "
                   "attention backend (FLASH_ATTN, FlashAttention 3), FULL_AND_PIECEWISE graphs, "
                   "torch.compile", env={"VLLM_PLUGINS": ""}),
@@ -82,15 +83,13 @@ SERVE_MODES: dict[str, ServeMode] = {
         ServeMode("plugin_precapture", "on request: `plugin` with precapture (every graph "
                   "captured before the server is ready, none while serving)",
                   settings=dict(precapture=True), ready_estimate_s=70.0, default=False),
-        ServeMode("plugin_skip_moe_padding", "on request: `plugin` with skip_moe_padding "
-                  "(the padding rows of a padded step skip the MoE experts)",
-                  settings=dict(skip_moe_padding=True), ready_estimate_s=60.0,
+        ServeMode("plugin_moe_padding", "on request: `plugin` with skip_moe_padding false "
+                  "(the padding rows of a padded step routed through the MoE experts, as stock "
+                  "vLLM does)", settings=dict(skip_moe_padding=False), ready_estimate_s=60.0,
                   default=False),
-        ServeMode("plugin_idle_capture", "on request: `plugin` with idle_capture (the keys "
-                  "traffic has not reached captured while the engine waits for requests; the "
-                  "benchmark lets it finish after ready: settle_s)",
-                  settings=dict(idle_capture=True), ready_estimate_s=60.0,
-                  default=False),
+        ServeMode("plugin_lazy_capture", "on request: `plugin` with idle_capture false (graphs "
+                  "captured only when traffic first reaches their key, never while idle)",
+                  settings=dict(idle_capture=False), ready_estimate_s=60.0, default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   settings=dict(prefill_attention="triton"),

@@ -175,10 +175,12 @@ def test_doctor_says_how_steps_with_prefill_tokens_run(capsys):
 
 def test_doctor_says_when_graphs_are_captured(capsys):
     code, out = _run(capsys, "qwen3-0.6b")
-    assert "graphs are captured: lazily, on a key's first use after 1 eager warm-up step(s)" in out
-    assert doctor.capture_lines(PluginConfig(idle_capture=True)) == [
-        "graphs are captured: while the engine waits for requests (idle_capture), or lazily on "
-        "a key's first use after 1 eager warm-up step(s), whichever comes first"]
+    assert ("graphs are captured: while the engine waits for requests (idle_capture), or lazily "
+            "on a key's first use after 1 eager warm-up step(s), whichever comes first") in out
+    assert doctor.capture_lines(PluginConfig(idle_capture=False)) == [
+        "graphs are captured: lazily, on a key's first use after 1 eager warm-up step(s) "
+        "(idle_capture is off; \"idle_capture\": true captures them while the engine waits for "
+        "requests, \"precapture\": true at start-up)"]
     assert doctor.capture_lines(PluginConfig(precapture=True, idle_capture=True)) == [
         "graphs are captured: all at start-up (precapture)"]
 
@@ -200,11 +202,11 @@ def test_prefill_attention_line_follows_config_and_machine(section, problem, ker
 
 def test_doctor_says_whether_moe_padding_rows_skip_the_experts(capsys):
     code, out = _run(capsys, "qwen3-30b-a3b")
+    assert "padding rows of padded steps: skip the experts wherever vLLM runs its Triton" in out
+    code, out = _run(capsys, "qwen3-30b-a3b", "--additional-config",
+                     '{"moe_graphs": {"skip_moe_padding": false}}')
     assert ("padding rows of padded steps: routed through the experts like real tokens "
             "(skip_moe_padding is off") in out
-    code, out = _run(capsys, "qwen3-30b-a3b", "--additional-config",
-                     '{"moe_graphs": {"skip_moe_padding": true}}')
-    assert "padding rows of padded steps: skip the experts wherever vLLM runs its Triton" in out
     code, out = _run(capsys, "qwen3-0.6b")
     assert "padding rows" not in out  # a dense model has no experts
     assert doctor.moe_padding_lines(PluginConfig(skip_moe_padding=True), 64) == [

@@ -212,9 +212,9 @@ def _row(mode, rate, ttft, tpot, otps, workload="chat"):
 
 
 def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_path):
-    """plugin_idle_capture settles on the plugin's "idle capture done" line: the wait returns
-    once the line is in the log, None when it is not within the timeout, and raises when the
-    server exits meanwhile."""
+    """A server with idle capture settles on the plugin's "idle capture done" line: the wait
+    returns once the line is in the log, None when it is not within the timeout, and raises
+    when the server exits meanwhile."""
     line = IDLE_CAPTURE_DONE
     # the plugin's own line (integration/precapture.py: idle_capture_one)
     src = open(os.path.join(REPO, "vllm_moe_graphs", "integration", "precapture.py")).read()
@@ -381,11 +381,12 @@ def test_plugin_config_reaches_every_plugin_server_under_the_modes_own(tmp_path)
     plain = serve.Plan(serve.parser().parse_args(["--model", "qwen3-0.6b", "--log-dir",
                                                   str(tmp_path)]))
     assert plain.server_args(serve.SERVE_MODES["plugin"], "default", [], 29)[-1] == "qwen3-0.6b"
-    assert not plain.settles(serve.SERVE_MODES["plugin"])
-    assert plain.settles(serve.SERVE_MODES["plugin_idle_capture"])
+    assert plain.settles(serve.SERVE_MODES["plugin"])  # idle_capture is on by default
+    assert not plain.settles(serve.SERVE_MODES["plugin_lazy_capture"])
+    assert not plain.settles(serve.SERVE_MODES["stock"])
     # settling counts in the time budget's estimate
-    assert serve.mode_cost_s(plan, serve.SERVE_MODES["plugin"], args) == pytest.approx(
-        serve.mode_cost_s(plain, serve.SERVE_MODES["plugin"], args) + 30.0)
+    assert serve.mode_cost_s(plain, serve.SERVE_MODES["plugin"], args) == pytest.approx(
+        serve.mode_cost_s(plain, serve.SERVE_MODES["plugin_lazy_capture"], args) + 30.0)
 
 
 def test_saturation_is_the_latency_knee():
@@ -561,8 +562,9 @@ def test_time_budget_weights_modes_by_their_cost(tmp_path):
                      for m in ("plugin", "stock"))
     # warm-ups at every measured rate by default: chat at 4 and 8, long at 1, moe_offload at 2
     windows = 4 * (args.warmup_s + 8) + sum(serve._window_s(args, r) for r in (4, 8, 1, 2))
-    assert plugin == pytest.approx(2 * 60 + serve.OFFLOAD_READY_EXTRA_S + windows)
-    assert stock - plugin == pytest.approx(2 * 40)
+    # two plugin servers, each settling its idle capture after ready (30 s by estimate)
+    assert plugin == pytest.approx(2 * (60 + 30) + serve.OFFLOAD_READY_EXTRA_S + windows)
+    assert stock - plugin == pytest.approx(2 * 10)
     args.warmup_rates = "max"  # one warm-up per workload, at its highest rate
     assert serve.mode_cost_s(plan, serve.SERVE_MODES["plugin"], args) == pytest.approx(
         plugin - (args.warmup_s + 8))

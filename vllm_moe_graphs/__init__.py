@@ -15,7 +15,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
     "plugin_graphs_experimental": {"small_m_gemm": True, "fuse_qk_norm_rope": True},
     "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
     "plugin_graphs_decode_only": {"mixed_graphs": False},
-    "plugin_graphs_skip_moe_padding": {"skip_moe_padding": True},
+    "plugin_graphs_moe_padding": {"skip_moe_padding": False},
 }
 
 
@@ -31,8 +31,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     takes o_proj and down_proj only). `plugin_graphs_cublas` (diagnostic): `plugin_graphs` with
     the small-M GEMM and the fused q/k norm + RoPE off (vLLM's kernels around attention).
     `plugin_graphs_decode_only`: `plugin_graphs` with `mixed_graphs` off (steps with prefill
-    tokens eager, only pure decode graphed). `plugin_graphs_skip_moe_padding`: `plugin_graphs`
-    with `skip_moe_padding` on (padding rows skip the MoE experts).
+    tokens eager, only pure decode graphed). `plugin_graphs_moe_padding`: `plugin_graphs`
+    with `skip_moe_padding` off (padding rows routed through the MoE experts, as stock vLLM).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

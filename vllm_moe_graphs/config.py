@@ -92,14 +92,12 @@ class PluginConfig:
     prefill_attention: str = "auto"
     # The padding rows of a padded step skip the fused MoE's experts (integration/moe_padding.py:
     # vLLM's Triton experts, more than 64 experts, no expert parallelism): no expert weights
-    # loaded and no expert GEMM rows for them; real rows are bit-identical either way. Off until
-    # its GPU tests and the serving benchmark have run on the H200 (deny by default).
-    skip_moe_padding: bool = False
+    # loaded and no expert GEMM rows for them; real rows are bit-identical either way.
+    skip_moe_padding: bool = True
     # While the engine waits for requests, capture the keys traffic has not reached yet, one at
     # a time, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
-    # captures move out of its first minutes of serving, start-up stays as fast. Off until its
-    # GPU tests and the serving benchmark have run on the H200.
-    idle_capture: bool = False
+    # captures move out of its first minutes of serving, start-up stays as fast.
+    idle_capture: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:

@@ -826,7 +826,10 @@ def test_mixed_traffic_faults_through_vllm_serve(tmp_path):
     kill_file = tmp_path / "serve.kill"
     log = str(tmp_path / "serve.log")
     fallbacks = "moe_graphs_eager_fallbacks_total"
-    cfg = {"moe_graphs": {"mixed_graphs": True, "graph_memory_budget_mib": 1}}
+    # lazy capture only (idle_capture false): the faults must meet the traffic, not the idle
+    # engine before it
+    cfg = {"moe_graphs": {"mixed_graphs": True, "graph_memory_budget_mib": 1,
+                          "idle_capture": False}}
     rng = random.Random(2)
     # the first prompt is prefilled in four 128-token chunks: the first capture of a key with
     # prefill tokens (the one that fails) comes before any decode key's and the budget

@@ -69,9 +69,9 @@ def test_only_padding_rows_are_rewritten_and_only_while_padded() -> None:
         assert not padding.active  # no rewrite installed, or vLLM's own unpadded step
 
 
-def test_skip_moe_padding_is_off_by_default_and_parsed() -> None:
-    assert PluginConfig().skip_moe_padding is False  # deny by default until the H200 ran it
-    assert PluginConfig.from_dict({"skip_moe_padding": True}).skip_moe_padding is True
+def test_skip_moe_padding_is_on_by_default_and_parsed() -> None:
+    assert PluginConfig().skip_moe_padding is True  # on since its GPU tests ran on the H200
+    assert PluginConfig.from_dict({"skip_moe_padding": False}).skip_moe_padding is False
     with pytest.raises(ValueError, match="skip_moe_padding='no' must be true or false"):
         PluginConfig.from_dict({"skip_moe_padding": "no"})
 

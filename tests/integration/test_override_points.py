@@ -734,6 +734,7 @@ def test_idle_capture_takes_one_key_per_call_in_precapture_order(caplog):
 
     r, capture, mode_enum, _, calls = _mixed_precapture_runner()
     worker = types.SimpleNamespace(model_runner=r)
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, idle_capture=False)
     assert not MoeGraphsWorker.moe_graphs_idle_capture(worker), "idle_capture off: nothing"
     assert capture.captures == 0
     r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, idle_capture=True)

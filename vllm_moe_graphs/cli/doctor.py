@@ -96,8 +96,8 @@ def capture_lines(cfg: PluginConfig) -> list[str]:
                 "first")
     else:
         when = (f"lazily, on a key's first use after {cfg.warmup_steps} eager warm-up step(s) "
-                "(\"idle_capture\": true captures them while the engine waits for requests, "
-                "\"precapture\": true at start-up)")
+                "(idle_capture is off; \"idle_capture\": true captures them while the engine "
+                "waits for requests, \"precapture\": true at start-up)")
     return [f"graphs are captured: {when}"]
 
 
@@ -108,7 +108,7 @@ def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
         return []
     if not cfg.skip_moe_padding:
         how = ("routed through the experts like real tokens (skip_moe_padding is off; "
-               "\"skip_moe_padding\": true in --additional-config lets them skip the experts)")
+               "\"skip_moe_padding\": true, the default, lets them skip the experts)")
     elif num_experts <= 64:
         how = (f"routed through the experts like real tokens: {num_experts} experts (skipping "
                "them needs more than 64)")
