@@ -594,9 +594,12 @@ def test_mixed_traffic_faults_keep_output_identical(tmp_path):
     overruns the 1 MiB pool budget, which denies every later one, and the kill file is
     created and removed every 24 steps. Token-identical to the kill-switch phase all the
     same: a fallback of a key runs at the key's shape, so no fault changes what a step
-    computes."""
+    computes. Two warm-up steps per key: with one, the first decode key of this traffic (one
+    request) reaches its capture first and fills the budget before any key
+    with prefill tokens is captured."""
     summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults",
-                        {"graph_memory_budget_mib": 1}, {"toggle_kill_every": 24},
+                        {"graph_memory_budget_mib": 1, "warmup_steps": 2},
+                        {"toggle_kill_every": 24},
                         env_extra={"MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1"})
     report("faults-mixed", summary)
     (row,) = summary["rows"]

@@ -1,5 +1,4 @@
-"""Padding rows of a padded step skip the fused MoE (`skip_moe_padding`, off by default until
-its GPU tests have run on the H200).
+"""Padding rows of a padded step skip the fused MoE (`skip_moe_padding`, on by default).
 
 A graph key pads its step to the key's bucket: the rows past the real ones carry whatever the
 persistent input buffers held, and vLLM routes them through every MoE layer like real tokens.

@@ -11,8 +11,8 @@ How: the method is wrapped. After the original has notified vLLM's idle-state ca
 engine that is running, awake, without work and without anything queued asks its worker
 (`collective_rpc`, in this process for the one-GPU executor) for one capture at a time, until
 a message is queued or nothing is left to capture; a message that arrives mid-capture waits for
-that one capture. Engines without `idle_capture` (the default) skip all of it after one cached
-config read.
+that one capture. Engines with `idle_capture` off skip all of it after one cached config
+read.
 Removal: when vLLM offers an idle hook to plugins.
 """
 
