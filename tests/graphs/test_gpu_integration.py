@@ -587,6 +587,13 @@ def test_mixed_precapture_serves_mixed_traffic_without_capture(tmp_path):
     assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
 
 
+# The mixed-faults engine's settings: a 1 MiB pool budget, which the first capture overruns, and
+# two warm-up steps per key, with which the first key of `run_mixed`'s Qwen3-0.6B traffic to
+# reach its capture is one with prefill tokens (checked on vLLM's CPU build by
+# tests/graphs/test_mixed_workload_schedule.py).
+MIXED_FAULTS_PLUGIN = {"graph_memory_budget_mib": 1, "warmup_steps": 2}
+
+
 def test_mixed_traffic_faults_keep_output_identical(tmp_path):
     """mixed_graphs under faults, in one engine, the `run_mixed` traffic: the first capture of
     a key with prefill tokens is invalidated by a host sync inside the region (quarantined;
@@ -594,11 +601,10 @@ def test_mixed_traffic_faults_keep_output_identical(tmp_path):
     overruns the 1 MiB pool budget, which denies every later one, and the kill file is
     created and removed every 24 steps. Token-identical to the kill-switch phase all the
     same: a fallback of a key runs at the key's shape, so no fault changes what a step
-    computes. Two warm-up steps per key: with one, the first decode key of this traffic (one
-    request) reaches its capture first and fills the budget before any key
-    with prefill tokens is captured."""
-    summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults",
-                        {"graph_memory_budget_mib": 1, "warmup_steps": 2},
+    computes. With one warm-up step per key (the default) the first key of this traffic to
+    reach its capture is the one-request decode key, whose capture fills the budget before
+    any key with prefill tokens gets one: hence `MIXED_FAULTS_PLUGIN`'s two."""
+    summary = run_mixed(tmp_path, "qwen3-0.6b", "mixed-faults", MIXED_FAULTS_PLUGIN,
                         {"toggle_kill_every": 24},
                         env_extra={"MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE": "1"})
     report("faults-mixed", summary)

@@ -1,8 +1,10 @@
-"""The GPU mixed-parity test's tiny workload (`TINY_MIXED`) checked on vLLM's CPU build: its
-scheduler, given the same prompts, arrivals, step budget and 16-token KV blocks as on the GPU,
-puts prefill tokens into most steps, which the GPU test asserts of its run. A step counts as
-carrying prefill tokens when some request in it has more than one query token (the plugin's
-step kinds, graphs/kinds.py)."""
+"""The GPU mixed tests' workloads checked on vLLM's CPU build, whose scheduler, given the same
+prompts, arrivals, step budget and 16-token KV blocks as on the GPU, schedules the same steps:
+- the tiny workload (`TINY_MIXED`) puts prefill tokens into most steps, which the GPU test
+  asserts of its run. A step counts as carrying prefill tokens when some request in it has
+  more than one query token (the plugin's step kinds, graphs/kinds.py);
+- in the Qwen3-0.6B traffic of the mixed-faults test the first key to reach its capture under
+  `MIXED_FAULTS_PLUGIN` is one with prefill tokens, the capture that test makes fail."""
 
 from __future__ import annotations
 
@@ -56,3 +58,84 @@ def test_tiny_mixed_workload_puts_prefill_tokens_into_most_steps(cpu_vllm, tmp_p
     counts = run_result_script(PROBE, cpu_vllm, argv=[str(tmp_path / "tiny")],
                                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="")
     assert counts["with_prefill"] > counts["decode"] > 0, counts
+
+
+FIRST_CAPTURE = r"""
+import json, sys
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.graphs.test_gpu_integration import MIXED_FAULTS_PLUGIN, mixed_prompts
+from tests.tiny_models import build_checkpoint
+from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.graphs.buckets import graph_config, pick_key, pick_mixed_key
+from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
+
+# run_mixed's Qwen3-0.6B engine: 4864 positions, a 256-token step budget, 64 sequences, prefix
+# caching, one arrival every 4 steps, the kill file flipped every 24; its prompts drawn for
+# the shape's vocabulary, their ids folded into the tiny checkpoint's (lengths and shared
+# prefixes kept)
+MAX_LEN, BUDGET, SEQS, EVERY, TOGGLE, VOCAB = 4864, 256, 64, 4, 24, 151936
+path = build_checkpoint(sys.argv[2], head_dim=64, max_positions=MAX_LEN)
+vocab = json.load(open(path + "/config.json"))["vocab_size"]
+prompts = [[10 + t % (vocab - 20) for t in p] for p in mixed_prompts(VOCAB)]
+cfg = graph_config(PluginConfig(mixed_graphs=True, **MIXED_FAULTS_PLUGIN), SEQS, MAX_LEN, BUDGET)
+llm = LLM(model=path, skip_tokenizer_init=True, max_model_len=MAX_LEN, max_num_seqs=SEQS,
+          max_num_batched_tokens=BUDGET, enable_prefix_caching=True, enable_chunked_prefill=True,
+          enforce_eager=True, block_size=16, dtype="float32")
+sched = llm.llm_engine.engine_core.engine_core.scheduler
+schedule = sched.schedule
+seen, steps, first = {}, [], []
+
+
+def key_of(out):
+    # the graph key the plugin's runner gives this step (graphs/runner.py, integration/
+    # lifecycle.py): decode by requests and longest context, otherwise by query tokens
+    lens = list(out.num_scheduled_tokens.values())
+    n, reqs = sum(lens), len(lens)
+    kind = step_kind(n, reqs, max(lens), lens)
+    if kind is StepKind.DECODE:
+        context = max(sched.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+        return kind, pick_key(reqs, context, cfg.decode_batch_buckets, cfg.context_buckets)
+    return kind, pick_mixed_key(n, reqs, cfg.token_buckets, cfg.decode_batch_buckets[-1])
+
+
+def watching_schedule(*args, **kwargs):
+    out = schedule(*args, **kwargs)
+    if out.total_num_scheduled_tokens and not first:
+        kind, key = key_of(out)
+        steps.append([kind.value, str(key)])
+        if not killed[0] and not isinstance(key, str):
+            # the runner's decide(): `warmup_steps` eager steps at the key's size, then the
+            # capture; a step under the kill switch neither warms nor captures
+            if seen.get(key, 0) >= cfg.warmup_steps:
+                first.append([kind.value, list(map(int, (key.batch_bucket, key.context_bucket,
+                                                         key.request_bucket))), len(steps)])
+            seen[key] = seen.get(key, 0) + 1
+    return out
+
+
+sched.schedule = watching_schedule
+engine, killed = llm.llm_engine, [False]
+params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True, detokenize=False)
+step = sent = 0
+while not first and step < 200:
+    if step and step % TOGGLE == 0:
+        killed[0] = not killed[0]
+    if sent < len(prompts) and step % EVERY == 0:
+        engine.add_request(str(sent), TokensPrompt(prompt_token_ids=prompts[sent]), params)
+        sent += 1
+    engine.step()
+    step += 1
+print("RESULT " + json.dumps({"first_capture": first[0] if first else None,
+                              "steps": steps[:16]}), flush=True)
+"""
+
+
+def test_mixed_faults_traffic_captures_a_key_with_prefill_tokens_first(cpu_vllm, tmp_path):
+    result = run_result_script(FIRST_CAPTURE, cpu_vllm, argv=[str(tmp_path / "tiny")],
+                               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="")
+    assert result["first_capture"] is not None, result
+    kind, (_, _, requests), _ = result["first_capture"]
+    assert kind != "decode" and requests > 0, result
