@@ -61,16 +61,20 @@ def test_tiny_mixed_workload_puts_prefill_tokens_into_most_steps(cpu_vllm, tmp_p
 
 
 FIRST_CAPTURE = r"""
-import json, sys
+import json, os, sys
 
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.graphs.test_gpu_integration import MIXED_FAULTS_PLUGIN, mixed_prompts
 from tests.tiny_models import build_checkpoint
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.graphs.buckets import graph_config, pick_key, pick_mixed_key
+from vllm_moe_graphs.graphs.buckets import graph_config
+from vllm_moe_graphs.graphs.decision import Action
 from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
+from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+from vllm_moe_graphs.killswitch import KillSwitch
 
 # run_mixed's Qwen3-0.6B engine: 4864 positions, a 256-token step budget, 64 sequences, prefix
 # caching, one arrival every 4 steps, the kill file flipped every 24; its prompts drawn for
@@ -80,49 +84,55 @@ MAX_LEN, BUDGET, SEQS, EVERY, TOGGLE, VOCAB = 4864, 256, 64, 4, 24, 151936
 path = build_checkpoint(sys.argv[2], head_dim=64, max_positions=MAX_LEN)
 vocab = json.load(open(path + "/config.json"))["vocab_size"]
 prompts = [[10 + t % (vocab - 20) for t in p] for p in mixed_prompts(VOCAB)]
-cfg = graph_config(PluginConfig(mixed_graphs=True, **MIXED_FAULTS_PLUGIN), SEQS, MAX_LEN, BUDGET)
 llm = LLM(model=path, skip_tokenizer_init=True, max_model_len=MAX_LEN, max_num_seqs=SEQS,
           max_num_batched_tokens=BUDGET, enable_prefix_caching=True, enable_chunked_prefill=True,
           enforce_eager=True, block_size=16, dtype="float32")
 sched = llm.llm_engine.engine_core.engine_core.scheduler
 schedule = sched.schedule
-seen, steps, first = {}, [], []
+
+# the plugin's own runner decides each step (host only: its forward is a stand-in and nothing
+# is captured; one graph per decode bucket pair, as with no shared attention plan)
+def no_capture(*args, **kwargs):
+    raise AssertionError("the probe stops at the first CAPTURE decision")
 
 
-def key_of(out):
-    # the graph key the plugin's runner gives this step (graphs/runner.py, integration/
-    # lifecycle.py): decode by requests and longest context, otherwise by query tokens
-    lens = list(out.num_scheduled_tokens.values())
-    n, reqs = sum(lens), len(lens)
-    kind = step_kind(n, reqs, max(lens), lens)
-    if kind is StepKind.DECODE:
-        context = max(sched.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
-        return kind, pick_key(reqs, context, cfg.decode_batch_buckets, cfg.context_buckets)
-    return kind, pick_mixed_key(n, reqs, cfg.token_buckets, cfg.decode_batch_buckets[-1])
+kill_file = sys.argv[2] + ".kill"
+runner = DecodeGraphRunner(
+    lambda rows: torch.zeros(rows, 1),
+    graph_config(PluginConfig(mixed_graphs=True, **MIXED_FAULTS_PLUGIN), SEQS, MAX_LEN, BUDGET),
+    kill_switch=KillSwitch(kill_file, interval_s=0.0), capture_fn=no_capture)
+steps, first = [], []
 
 
 def watching_schedule(*args, **kwargs):
     out = schedule(*args, **kwargs)
     if out.total_num_scheduled_tokens and not first:
-        kind, key = key_of(out)
-        steps.append([kind.value, str(key)])
-        if not killed[0] and not isinstance(key, str):
-            # the runner's decide(): `warmup_steps` eager steps at the key's size, then the
-            # capture; a step under the kill switch neither warms nor captures
-            if seen.get(key, 0) >= cfg.warmup_steps:
-                first.append([kind.value, list(map(int, (key.batch_bucket, key.context_bucket,
-                                                         key.request_bucket))), len(steps)])
-            seen[key] = seen.get(key, 0) + 1
+        lens = list(out.num_scheduled_tokens.values())
+        decode = step_kind(sum(lens), len(lens), max(lens), lens) is StepKind.DECODE
+        context = max(sched.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+        d = (runner.decide(len(lens), context, True) if decode
+             else runner.decide(sum(lens), context, False, requests=len(lens)))
+        steps.append([d.action.value, str(d.key)])
+        if d.action is Action.CAPTURE:
+            k = d.key
+            first.append(["decode" if decode else "prefill tokens",
+                          [k.batch_bucket, k.context_bucket, k.request_bucket], len(steps)])
+        else:
+            runner.run(d)
     return out
 
 
 sched.schedule = watching_schedule
-engine, killed = llm.llm_engine, [False]
+engine, killed = llm.llm_engine, False
 params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True, detokenize=False)
 step = sent = 0
 while not first and step < 200:
     if step and step % TOGGLE == 0:
-        killed[0] = not killed[0]
+        killed = not killed
+        if killed:
+            open(kill_file, "w").close()
+        else:
+            os.remove(kill_file)
     if sent < len(prompts) and step % EVERY == 0:
         engine.add_request(str(sent), TokensPrompt(prompt_token_ids=prompts[sent]), params)
         sent += 1
@@ -138,4 +148,4 @@ def test_mixed_faults_traffic_captures_a_key_with_prefill_tokens_first(cpu_vllm,
                                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="")
     assert result["first_capture"] is not None, result
     kind, (_, _, requests), _ = result["first_capture"]
-    assert kind != "decode" and requests > 0, result
+    assert kind == "prefill tokens" and requests > 0, result
