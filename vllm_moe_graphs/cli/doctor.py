@@ -126,16 +126,23 @@ def memory_lines(cfg: PluginConfig, gpu_memory_utilization: float,
     if not budget:
         return ["graph memory: none (graph_memory_budget_mib 0: every capture is denied, steps "
                 "run eager with memory_budget)"]
-    if kv_cache_memory_bytes:
+    from vllm_moe_graphs.integration.config_facts import (
+        POOL_BESIDE_FIXED_KV,
+        POOL_IN_KV_CACHE,
+        graph_pool_source,
+    )
+
+    source = graph_pool_source(estimate_graphs, bool(kv_cache_memory_bytes))
+    if source == POOL_BESIDE_FIXED_KV:
         where = (f"not taken out of the KV cache (--kv-cache-memory-bytes "
                  f"{kv_cache_memory_bytes} sizes it): keep that much GPU memory free beyond it")
-    elif not estimate_graphs:
+    elif source == POOL_IN_KV_CACHE:
+        where = (f"taken out of the KV cache memory within --gpu-memory-utilization "
+                 f"{gpu_memory_utilization:g}, as vLLM does for its own graphs")
+    else:
         where = ("not taken out of the KV cache (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): "
                  "keep that much GPU memory free beyond --gpu-memory-utilization "
                  f"{gpu_memory_utilization:g}")
-    else:
-        where = (f"taken out of the KV cache memory within --gpu-memory-utilization "
-                 f"{gpu_memory_utilization:g}, as vLLM does for its own graphs")
     return [f"graph memory: a pool of up to {budget} MiB (graph_memory_budget_mib), {where}"]
 
 

@@ -39,6 +39,23 @@ def vllm_sets_aside_graph_memory() -> bool:
     return bool(vllm_envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)
 
 
+# Where the plugin's graph pool memory comes from (`graph_pool_source`).
+POOL_IN_KV_CACHE = "kv_cache"  # taken out of the KV cache memory, as vLLM does for its graphs
+POOL_BESIDE_FIXED_KV = "kv_cache_memory_bytes"  # the operator fixed the KV cache size
+POOL_BESIDE_NO_ESTIMATE = "no_estimate"  # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0
+
+
+def graph_pool_source(estimate_graphs: bool, kv_cache_memory_bytes_set: bool) -> str:
+    """vLLM's own rule for its graph memory, applied to the plugin's pool: out of the KV cache
+    memory under `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (`estimate_graphs`), not when the
+    operator fixes the KV cache with `kv_cache_memory_bytes` (that setting does not respect the
+    utilization); else the pool lives beside `--gpu-memory-utilization`. One rule for the
+    worker's accounting (integration/worker.py) and the doctor's explanation."""
+    if kv_cache_memory_bytes_set:
+        return POOL_BESIDE_FIXED_KV
+    return POOL_IN_KV_CACHE if estimate_graphs else POOL_BESIDE_NO_ESTIMATE
+
+
 def _is_cuda() -> bool:
     from vllm.platforms import current_platform
 

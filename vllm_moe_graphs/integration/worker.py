@@ -40,7 +40,11 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_moe_graphs.integration.config_facts import vllm_sets_aside_graph_memory
+from vllm_moe_graphs.integration.config_facts import (
+    POOL_IN_KV_CACHE,
+    graph_pool_source,
+    vllm_sets_aside_graph_memory,
+)
 from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 from vllm_moe_graphs.integration.patch import runner_class
 from vllm_moe_graphs.integration.signatures import (
@@ -73,7 +77,7 @@ def check_worker_points(base: type = Worker) -> None:
 def graph_pool_reserve(budget_mib: int, estimate_graphs: bool,
                        kv_cache_memory_bytes: int | None) -> int:
     """Bytes of vLLM's KV cache memory to set aside for the graph pool (module doc)."""
-    if not estimate_graphs or kv_cache_memory_bytes:
+    if graph_pool_source(estimate_graphs, bool(kv_cache_memory_bytes)) != POOL_IN_KV_CACHE:
         return 0
     return budget_mib * 2**20
 
