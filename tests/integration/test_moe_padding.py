@@ -1,7 +1,8 @@
 """Padding rows skip the fused MoE's experts (`integration/moe_padding.py`).
 
 CPU tier: the sentinel follows vLLM 0.26's own path choice (`_prepare_expert_assignment`), the
-rewrite touches only padding rows and only inside a padded forward, and real vLLM Qwen3-MoE
+rewrite touches only padding rows and only inside a padded forward, a key that cannot pad (one
+request) captures and replays no mask through the lifecycle, and real vLLM Qwen3-MoE
 layers built by vLLM's CPU build are refused with the reason (its experts are monolithic), their
 routers untouched. GPU tier: vLLM's Triton experts on Qwen3-30B-A3B's expert shapes give the
 real rows bit-identical outputs with the padding rows skipped, on both of vLLM's paths."""
@@ -74,6 +75,54 @@ def test_skip_moe_padding_is_on_by_default_and_parsed() -> None:
     assert PluginConfig.from_dict({"skip_moe_padding": False}).skip_moe_padding is False
     with pytest.raises(ValueError, match="skip_moe_padding='no' must be true or false"):
         PluginConfig.from_dict({"skip_moe_padding": "no"})
+
+
+class _RoutedModel:
+    """A model whose one MoE layer's router output goes through `padding`'s rewrite: records,
+    per call, how many of its rows were sent to the sentinel, None when the rewrite did not run
+    (no mask launch: the forward is not padded)."""
+
+    def __init__(self, padding: MoePadding) -> None:
+        self.padding, self.rewrite = padding, padding.rewrite(K, E)
+        self.masked: list[int | None] = []
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.zeros(input_ids.shape[0], K, dtype=torch.int32)  # [T, K] router output
+        self.rewrite(ids)
+        self.masked.append(int((ids[:, 0] != 0).sum()) if self.padding.active else None)
+        return torch.zeros(input_ids.shape[0], 4)
+
+
+@pytest.mark.parametrize("bucket, real, masked", [(1, 1, None), (2, 1, 1), (8, 5, 3)])
+def test_graph_of_a_key_that_cannot_pad_has_no_mask(bucket: int, real: int,
+                                                    masked: int | None) -> None:
+    """The lifecycle's capture and replay of a decode key through the real graph runner (its
+    capture emulated): a one-request key's graph runs no mask (it cannot hold padding rows),
+    every wider key's graph masks the rows past the real ones at each replay."""
+    from types import SimpleNamespace
+
+    from tests.graphs.test_runner import Emulated
+    from vllm_moe_graphs.capability import Reason
+    from vllm_moe_graphs.graphs import Action, Decision, DecodeGraphRunner, GraphKey
+    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
+    from vllm_moe_graphs.integration.moe_padding import key_pads
+
+    assert key_pads(bucket) is (bucket > 1)
+    cfg = PluginConfig(decode_batch_buckets=(1, 2, 8), context_buckets=(64,), warmup_steps=0)
+    padding = MoePadding(8, "cpu")
+    model = _RoutedModel(padding)
+    lifecycle = GraphLifecycle(SimpleNamespace(model=model), cfg)
+    lifecycle.moe_padding = padding
+    lifecycle.graphs = DecodeGraphRunner(None, cfg, capture_fn=Emulated())
+    key, args = GraphKey(bucket, 64), {"input_ids": torch.zeros(bucket, dtype=torch.int32)}
+    lifecycle.capture(key, args)  # warm-up run and capture, at the key's rows
+    # captured as a full key (no row past the real ones), with the mask where the key can pad
+    assert model.masked == ([0, 0] if bucket > 1 else [None, None])
+    plan = SimpleNamespace(decision=Decision(Action.REPLAY, key, Reason.ELIGIBLE, real),
+                           with_logits=False, kind=None)
+    lifecycle._step = SimpleNamespace(plan=plan)
+    lifecycle.forward(args)
+    assert model.masked[-1] == masked
 
 
 _BUILD = r"""

@@ -39,7 +39,12 @@ from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration import runner_buffers
 from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
 from vllm_moe_graphs.integration.graph_logits import install_graph_logits
-from vllm_moe_graphs.integration.moe_padding import MoePadding, install_moe_padding, padded_scope
+from vllm_moe_graphs.integration.moe_padding import (
+    MoePadding,
+    install_moe_padding,
+    key_pads,
+    padded_scope,
+)
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
 if TYPE_CHECKING:
@@ -307,7 +312,8 @@ class GraphLifecycle:
             return None
         step.plan = None
         d = plan.decision
-        with padded_scope(self.moe_padding, d.num_reqs if d.padded else None):
+        padded = d.padded and d.key is not None and key_pads(d.key.batch_bucket)
+        with padded_scope(self.moe_padding, d.num_reqs if padded else None):
             out, _ = self.graphs.run(d, self._forward_fn(args, plan.with_logits), plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
@@ -351,7 +357,8 @@ class GraphLifecycle:
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
         returns its output, or the eager forward's when the capture was denied or failed."""
-        with padded_scope(self.moe_padding, key.batch_bucket):
+        with padded_scope(self.moe_padding,
+                          key.batch_bucket if key_pads(key.batch_bucket) else None):
             result = self.graphs.precapture([key], forward=self._forward_fn(
                 args, self._logits_for(key)))[key]
         out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
