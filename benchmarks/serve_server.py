@@ -26,6 +26,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_moe_graphs.config import TOKEN_BUCKETS
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServeMode:
@@ -63,6 +65,12 @@ def settings_args(settings: Mapping[str, Any] | None) -> list[str]:
         else []
 
 
+# `plugin_fine_tokens`' token buckets: the defaults (vllm_moe_graphs.config.TOKEN_BUCKETS) with
+# sixteen an octave from 2048 tokens instead of eight (128, then 256 tokens apart): fewer padded
+# tokens in the GPU-bound steps of long prompts, for 16 more keys to capture.
+FINE_TOKEN_BUCKETS: tuple[int, ...] = tuple(sorted(
+    set(TOKEN_BUCKETS) | {base * k // 16 for base in (2048, 4096) for k in range(16, 32)}))
+
 SERVE_MODES: dict[str, ServeMode] = {
     m.name: m
     for m in (
@@ -90,6 +98,11 @@ SERVE_MODES: dict[str, ServeMode] = {
         ServeMode("plugin_lazy_capture", "on request: `plugin` with idle_capture false (graphs "
                   "captured only when traffic first reaches their key, never while idle)",
                   settings=dict(idle_capture=False), ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_fine_tokens", "on request: `plugin` with sixteen token buckets an "
+                  "octave from 2048 tokens instead of eight (less padding in the GPU-bound steps "
+                  "of long prompts, more keys to capture)",
+                  settings=dict(token_buckets=list(FINE_TOKEN_BUCKETS)), ready_estimate_s=60.0,
+                  default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   settings=dict(prefill_attention="triton"),

@@ -345,6 +345,23 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert "plugin_precapture" not in serve.DEFAULT_MODES
 
 
+def test_fine_token_mode_halves_the_bucket_spacing_from_2048_tokens():
+    from vllm_moe_graphs.config import TOKEN_BUCKETS, PluginConfig
+
+    mode = serve.SERVE_MODES["plugin_fine_tokens"]
+    assert "plugin_fine_tokens" not in serve.DEFAULT_MODES
+    fine = PluginConfig.from_dict(mode.settings).token_buckets
+    assert set(TOKEN_BUCKETS) <= set(fine) and fine[-1] == TOKEN_BUCKETS[-1] == 8192
+    assert len(fine) == len(TOKEN_BUCKETS) + 16  # 16 new buckets between the default ones
+
+    def gaps(buckets, lo, hi):
+        return {b - a for a, b in zip(buckets, buckets[1:]) if lo <= a < hi}
+
+    assert gaps(TOKEN_BUCKETS, 2048, 4096) == {256} and gaps(fine, 2048, 4096) == {128}
+    assert gaps(TOKEN_BUCKETS, 4096, 8192) == {512} and gaps(fine, 4096, 8192) == {256}
+    assert [b for b in fine if b < 2048] == [b for b in TOKEN_BUCKETS if b < 2048]
+
+
 def test_every_plugin_mode_passes_a_valid_plugin_config():
     from vllm_moe_graphs.config import PluginConfig
 
