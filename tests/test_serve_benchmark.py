@@ -211,6 +211,18 @@ def _row(mode, rate, ttft, tpot, otps, workload="chat"):
             "output_tokens_per_s": otps, "requests_per_s": 1.0, "steps": {}}
 
 
+def _stand_in_server() -> subprocess.Popen:
+    """A process group standing in for `vllm serve`, which `Server.stop` ends with SIGINT as it
+    does vLLM's: SIGINT set back to its default action, since a shell that starts the tests in
+    the background hands them SIGINT ignored (Python then installs no handler for it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
+         "signal.SIG_DFL); print('ready', flush=True); time.sleep(60)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"  # SIGINT ends it from here on
+    return proc
+
+
 def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_path):
     """A server with idle capture settles on the plugin's "idle capture done" line: the wait
     returns once the line is in the log, None when it is not within the timeout, and raises
@@ -223,8 +235,7 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
     log = tmp_path / "serve.log"
     log.write_text("INFO: Application startup complete.\n")
     server = Server(tmp_path, [], {}, log)
-    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                    start_new_session=True)
+    server._proc = _stand_in_server()
     try:
         assert server.wait_for_log(line, 0.6) is None
         threading.Timer(0.5, lambda: log.write_text(
@@ -251,8 +262,7 @@ def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
     log.write_text(f"moe_graphs: graphs are captured lazily, ..., {IDLE_CAPTURE_ON}\n"
                    f"{IDLE_CAPTURE_DONE}: no key left to capture (3 graphs, 0 quarantined, "
                    "pool 1 MiB)\n")
-    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                    start_new_session=True)
+    server._proc = _stand_in_server()
     try:
         serve._settle(server, args, info, said.append)
     finally:
@@ -287,17 +297,16 @@ def test_settle_stops_waiting_once_idle_capture_stalls(tmp_path):
     log.write_text(f"moe_graphs: graphs are captured lazily, ..., {IDLE_CAPTURE_ON}\n")
     server = Server(tmp_path, [], {}, log)
     server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                    start_new_session=True)
+    server._proc = _stand_in_server()
     args = serve.parser().parse_args(["--settle-timeout-s", "60", "--settle-stall-s", "1"])
     info, said = {}, []
     t0 = time.monotonic()
     try:
         serve._settle(server, args, info, said.append)
+        waited = time.monotonic() - t0
     finally:
         server.stop()
         httpd.shutdown()
-    waited = time.monotonic() - t0
     assert info == {"settle_s": None}, info
     assert "no capture in the last 1 s" in said[0] and "measuring anyway" in said[0], said
     assert len(served) >= 6 and 2.0 < waited < 20, (served, waited)  # past the 4 captures
