@@ -199,6 +199,15 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
+            "plugin_graphs_fused_router",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with fuse_moe_padding_mask: the padding rows' expert ids written by "
+            "the plugin's routing kernel, no mask launch per MoE layer (on request)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_graphs_cublas",
             Family.PLUGIN,
             True,

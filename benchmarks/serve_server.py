@@ -95,6 +95,10 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "(the padding rows of a padded step routed through the MoE experts, as stock "
                   "vLLM does)", settings=dict(skip_moe_padding=False), ready_estimate_s=60.0,
                   default=False),
+        ServeMode("plugin_fused_router", "on request: `plugin` with fuse_moe_padding_mask "
+                  "(the padding rows' expert ids written by the plugin's routing kernel, no "
+                  "mask launch per MoE layer)", settings=dict(fuse_moe_padding_mask=True),
+                  ready_estimate_s=60.0, default=False),
         ServeMode("plugin_lazy_capture", "on request: `plugin` with idle_capture false (graphs "
                   "captured only when traffic first reaches their key, never while idle)",
                   settings=dict(idle_capture=False), ready_estimate_s=60.0, default=False),

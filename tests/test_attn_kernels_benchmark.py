@@ -16,13 +16,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-side checks")
 
 
-@pytest.mark.parametrize("module", ["benchmarks.attn_kernels", "benchmarks.prefill_kernels"])
+@pytest.mark.parametrize("module", ["benchmarks.attn_kernels", "benchmarks.prefill_kernels",
+                                    "benchmarks.router_kernels"])
 def test_without_cuda_exits_2_naming_the_gpu(module, tmp_path):
     out = tmp_path / "attn.json"
     proc = subprocess.run([sys.executable, "-m", module, "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
     assert not out.exists()
+
+
+def test_router_benchmark_names_a_bad_value(capsys):
+    from benchmarks import router_kernels
+
+    with pytest.raises(SystemExit):
+        router_kernels.parse_args(["--out", "x.json", "--rows", "1,0"])
+    assert "--rows [1, 0]" in capsys.readouterr().err
+    assert router_kernels.parse_args(["--out", "x.json"]).rows[-1] == 8192
 
 
 def test_flash_attn_baseline_absence_has_a_reason():

@@ -203,6 +203,10 @@ def test_prefill_attention_line_follows_config_and_machine(section, problem, ker
 def test_doctor_says_whether_moe_padding_rows_skip_the_experts(capsys):
     code, out = _run(capsys, "qwen3-30b-a3b")
     assert "padding rows of padded steps: skip the experts wherever vLLM runs its Triton" in out
+    assert "their expert ids written by one mask launch per MoE layer" in out
+    code, out = _run(capsys, "qwen3-30b-a3b", "--additional-config",
+                     '{"moe_graphs": {"fuse_moe_padding_mask": true}}')
+    assert "ids written by the plugin's routing kernel (fuse_moe_padding_mask)" in out
     code, out = _run(capsys, "qwen3-30b-a3b", "--additional-config",
                      '{"moe_graphs": {"skip_moe_padding": false}}')
     assert ("padding rows of padded steps: routed through the experts like real tokens "

@@ -16,6 +16,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
     "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
     "plugin_graphs_decode_only": {"mixed_graphs": False},
     "plugin_graphs_moe_padding": {"skip_moe_padding": False},
+    "plugin_graphs_fused_router": {"fuse_moe_padding_mask": True},
 }
 
 
@@ -33,6 +34,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     `plugin_graphs_decode_only`: `plugin_graphs` with `mixed_graphs` off (steps with prefill
     tokens eager, only pure decode graphed). `plugin_graphs_moe_padding`: `plugin_graphs`
     with `skip_moe_padding` off (padding rows routed through the MoE experts, as stock vLLM).
+    `plugin_graphs_fused_router`: `plugin_graphs` with `fuse_moe_padding_mask` (the padding
+    rows' expert ids written by the plugin's routing kernel, no mask launch per MoE layer).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

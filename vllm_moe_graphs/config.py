@@ -94,6 +94,11 @@ class PluginConfig:
     # vLLM's Triton experts, more than 64 experts, no expert parallelism): no expert weights
     # loaded and no expert GEMM rows for them; real rows are bit-identical either way.
     skip_moe_padding: bool = True
+    # With skip_moe_padding: the padding rows' expert ids written by the routing launch itself
+    # (the plugin's Triton top-k softmax in place of vLLM's topk_softmax, ops/moe_router.py)
+    # instead of a mask launch per MoE layer after vLLM's routing (49 launches a step on
+    # Qwen3-30B-A3B). Off until measured on the H200.
+    fuse_moe_padding_mask: bool = False
     # While the engine waits for requests, capture the keys traffic has not reached yet, one at
     # a time, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
     # captures move out of its first minutes of serving, start-up stays as fast.
@@ -210,6 +215,7 @@ _PARSERS = {
     "token_buckets": _buckets,
     "prefill_attention": _prefill_attention,
     "skip_moe_padding": _bool,
+    "fuse_moe_padding_mask": _bool,
     "idle_capture": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"

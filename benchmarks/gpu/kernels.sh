@@ -14,6 +14,8 @@
 #                 512..32k, ours vs TRITON_ATTN, FLASH_ATTN (FA3) and the HBM floor
 #   attn-prefill  benchmarks.prefill_kernels: attention of steps with prefill tokens (prompts,
 #                 chunks after a cached prefix, decode rows next to a prompt), ours vs FA3
+#   router        benchmarks.router_kernels: Qwen3-30B-A3B's MoE routing at 1..8192 rows,
+#                 vLLM's topk_softmax (+ the padding mask) vs the plugin's fused routing
 #   attn-sweep-b1 benchmarks.attn_kernels --sweep at batch 1 / context 512 (splits, tiles)
 # Writes $OUT/<step>.txt and $OUT/<step>.json. Never run it next to anything else on the GPU:
 # these are timings.
@@ -25,7 +27,7 @@ mkdir -p "$OUT"
 left() { echo $((GUARD_S - ($(date +%s) - T0))); }
 # shellcheck source=benchmarks/gpu/env.sh
 . benchmarks/gpu/env.sh || exit 3
-STEPS=" ${KERNELS_STEPS:-gemm gemm-sweep attn-grid attn-prefill attn-sweep-b1} "
+STEPS=" ${KERNELS_STEPS:-gemm gemm-sweep attn-grid attn-prefill router attn-sweep-b1} "
 step() {  # step NAME SHARE_OF_LEFT_PERCENT ARGS...
   local name=$1 share=$2
   shift 2
@@ -43,6 +45,7 @@ step gemm-sweep 30 -m benchmarks.gemm_kernels --ms 1,8 --shapes qwen3-0.6b/qkv,q
   --sweep-num-warps 4 --sweep-num-stages 3 --sweep-swap-ab 0,1
 step attn-grid 70 -m benchmarks.attn_kernels --batches 1,8,32,64,128 --contexts 512,2048,8192,32768
 step attn-prefill 70 -m benchmarks.prefill_kernels
+step router 15 -m benchmarks.router_kernels
 step attn-sweep-b1 100 -m benchmarks.attn_kernels --models qwen3-0.6b --batches 1 \
   --contexts 512 --sweep --sweep-block-n 16,32,64 --sweep-num-warps 2,4 --sweep-num-stages 2 \
   --sweep-splits auto,4,8,16,32

@@ -531,6 +531,22 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 
 
+def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
+    """fuse_moe_padding_mask: every MoE layer of the Qwen3-30B-A3B shape routes through the
+    plugin's top-k softmax, which writes the padding rows' sentinel ids in the same launch (no
+    mask launch); the `run_mixed` traffic token-identical to the kill switch (whose steps route
+    through the same kernel, unpadded), steps with prefill tokens replayed."""
+    summary = run_mixed(tmp_path, "qwen3-30b-a3b", "mixed-fused-routing",
+                        {"skip_moe_padding": True, "fuse_moe_padding_mask": True})
+    report("parity-mixed-fused-routing", summary)
+    assert any(f"{NUM_LAYERS} through the fused routing, 0 through the mask" in ln
+               for ln in summary["log_lines"]), summary["log_lines"]
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
+
+
 def test_wide_batches_replay_and_match_kill_switch(tmp_path):
     """Steps of more than 256 requests, as a saturated `vllm serve` runs them (max_num_seqs is
     1024 on the H200): 640 prompts submitted at once, an 8192-token step budget. The steps that

@@ -2,10 +2,13 @@
 
 CPU tier: the sentinel follows vLLM 0.26's own path choice (`_prepare_expert_assignment`), the
 rewrite touches only padding rows and only inside a padded forward, a key that cannot pad (one
-request) captures and replays no mask through the lifecycle, and real vLLM Qwen3-MoE
+request) captures and replays no mask through the lifecycle, the fused routing
+(`fuse_moe_padding_mask`) installed on vLLM's own `FusedTopKRouter` sends the padding rows to
+the sentinel in its one launch (and refuses other routers by reason), and real vLLM Qwen3-MoE
 layers built by vLLM's CPU build are refused with the reason (its experts are monolithic), their
 routers untouched. GPU tier: vLLM's Triton experts on Qwen3-30B-A3B's expert shapes give the
-real rows bit-identical outputs with the padding rows skipped, on both of vLLM's paths."""
+real rows bit-identical outputs with the padding rows skipped, on both of vLLM's paths, through
+the mask and through the fused routing; the fused routing picks what vLLM's `fused_topk` picks."""
 
 from __future__ import annotations
 
@@ -75,6 +78,77 @@ def test_skip_moe_padding_is_on_by_default_and_parsed() -> None:
     assert PluginConfig.from_dict({"skip_moe_padding": False}).skip_moe_padding is False
     with pytest.raises(ValueError, match="skip_moe_padding='no' must be true or false"):
         PluginConfig.from_dict({"skip_moe_padding": "no"})
+    assert PluginConfig().fuse_moe_padding_mask is False  # until measured on the H200
+    assert PluginConfig.from_dict({"fuse_moe_padding_mask": True}).fuse_moe_padding_mask
+    with pytest.raises(ValueError, match="fuse_moe_padding_mask=1 must be true or false"):
+        PluginConfig.from_dict({"fuse_moe_padding_mask": 1})
+
+
+def _fused_router(padding: MoePadding):
+    """vLLM 0.26's own Qwen3-MoE router (top-8 of 128, softmax, renormalized) with the fused
+    routing installed, as `install_moe_padding` installs it."""
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+    from vllm_moe_graphs.integration.patch import router_compute_routing
+
+    router = FusedTopKRouter(top_k=K, global_num_experts=E, renormalize=True)
+    assert router_compute_routing.refusal(router) is None
+    router_compute_routing.install(router, padding.route(K, E, router.renormalize))
+    return router
+
+
+def test_fused_routing_sends_padding_rows_to_the_sentinel_in_vllms_router() -> None:
+    from vllm_moe_graphs.ops.moe_router import topk_softmax
+
+    padding = MoePadding(16, "cpu")
+    router = _fused_router(padding)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, E, generator=g).to(torch.bfloat16)  # [T, E]
+    hidden = torch.zeros(12, 32, dtype=torch.bfloat16)
+    want_w, want_i = topk_softmax(logits, K, True)
+    weights, ids = router.select_experts(hidden, logits)  # vLLM's own unpadded step
+    assert torch.equal(ids, want_i) and torch.equal(weights, want_w)
+    probs = torch.softmax(logits.double(), -1)
+    torch.testing.assert_close(probs.gather(1, ids.long()).sort(-1, True).values,
+                               probs.topk(K, -1).values)  # the K most probable experts
+    with padding.padded(9):
+        weights, ids = router.select_experts(hidden, logits)
+    assert torch.equal(ids[:9], want_i[:9]) and (ids[9:] == E).all()  # aligned path: E
+    assert torch.equal(weights, want_w)
+    with padding.padded(1):
+        _, ids = router.select_experts(hidden[:4], logits[:4])
+    assert torch.equal(ids[:1], want_i[:1]) and (ids[1:] == -1).all()  # naive path: -1
+    _, ids = router.select_experts(hidden, logits, topk_indices_dtype=torch.int64)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_i.long())
+    _, ids = router.select_experts(hidden, logits.float()[:, :E])
+    assert torch.equal(ids, topk_softmax(logits.float(), K, True)[1])
+
+
+def test_fused_routing_launches_no_mask() -> None:
+    """With every eligible layer on the fused routing, a padded forward's `begin` writes no
+    mask (no launch); a layer on the mask makes it write one."""
+    padding = MoePadding(8, "cpu")
+    _fused_router(padding)
+    with padding.padded(3):
+        padding.begin(8)
+    assert not padding._pad.any()  # untouched: no mask launch
+    padding.rewrite(K, E)  # one layer on the mask
+    with padding.padded(3):
+        padding.begin(8)
+    assert padding._pad.tolist() == [False] * 3 + [True] * 5
+
+
+def test_fused_routing_refuses_routers_it_does_not_reproduce() -> None:
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import (
+        GroupedTopKRouter,
+    )
+    from vllm_moe_graphs.integration.patch import router_compute_routing
+
+    sigmoid = FusedTopKRouter(top_k=K, global_num_experts=E, scoring_func="sigmoid")
+    assert router_compute_routing.refusal(sigmoid) == "scoring function 'sigmoid' (only softmax)"
+    grouped = GroupedTopKRouter.__new__(GroupedTopKRouter)
+    assert router_compute_routing.refusal(grouped) == (
+        "router GroupedTopKRouter (only vLLM's FusedTopKRouter)")
 
 
 class _RoutedModel:
@@ -218,3 +292,60 @@ def _check_triton_experts(rows: int, real: int) -> None:
     assert torch.equal(replay_ids[:real], ids[:real])
     assert (replay_ids[real:] == sentinel(rows, K, E)).all()
     assert torch.equal(out[:real], plain[:real])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,real", [(4, 1), (24, 17), (512, 300), (4096, 2500)])
+def test_fused_routing_skips_the_padding_rows_in_a_replayed_graph(rows: int, real: int) -> None:
+    """The fused routing feeding vLLM's Triton experts (Qwen3-30B-A3B's expert shapes) inside a
+    captured graph replayed with fewer real rows: the real rows' ids and outputs bit-identical
+    to an unpadded run of the same routing, the padding rows on the sentinel."""
+    require_cuda_and_vllm()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    dev, dt, hidden, inter = torch.device("cuda"), torch.bfloat16, 2048, 768
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    w1 = torch.randn(E, 2 * inter, hidden, generator=gen, device=dev, dtype=dt) * 0.02
+    w2 = torch.randn(E, hidden, inter, generator=gen, device=dev, dtype=dt) * 0.02
+    x = torch.randn(rows, hidden, generator=gen, device=dev, dtype=dt)
+    logits = torch.randn(rows, E, generator=gen, device=dev, dtype=dt)
+    padding = MoePadding(rows, dev)
+    route = padding.route(K, E, True)
+    with set_current_vllm_config(VllmConfig()):
+        weights, ids = route(logits, None)  # vLLM's own unpadded step: every row real
+        plain = fused_experts(x, w1, w2, weights, ids)
+        graph = torch.cuda.CUDAGraph()
+        with padding.padded(rows):
+            fused_experts(x, w1, w2, *route(logits, None))  # warm-up, outside the graph
+            with torch.cuda.graph(graph):
+                g_weights, g_ids = route(logits, None)
+                out = fused_experts(x, w1, w2, g_weights, g_ids)
+        with padding.padded(real):
+            graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_ids[:real], ids[:real]) and torch.equal(g_weights, weights)
+    assert (g_ids[real:] == sentinel(rows, K, E)).all()
+    assert torch.equal(out[:real], plain[:real])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_picks_what_vllms_fused_topk_picks(dtype: torch.dtype) -> None:
+    """Against vLLM's own CUDA `topk_softmax` (via `fused_topk`) on the router logits of 4096
+    rows: the same experts (compared by their probabilities, so that a tie may go either
+    way) and the same weights to float32 rounding."""
+    require_cuda_and_vllm()
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    logits = (torch.randn(4096, E, generator=gen, device="cuda") * 2).to(dtype)
+    hidden = torch.empty(4096, 8, device="cuda", dtype=torch.bfloat16)
+    want_w, want_i, _ = fused_topk(hidden, logits, K, True)
+    weights, ids = MoePadding(4096, "cuda").route(K, E, True)(logits, None)
+    probs = torch.softmax(logits.double(), -1)
+    torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, want_i.long()),
+                               atol=1e-6, rtol=0)
+    if dtype == torch.float32:  # no ties among float32 random logits: the same ids, in order
+        assert torch.equal(ids, want_i.to(ids.dtype))
+    torch.testing.assert_close(weights, want_w, atol=2e-6, rtol=1e-5)

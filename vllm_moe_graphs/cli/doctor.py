@@ -114,7 +114,10 @@ def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
                "them needs more than 64)")
     else:
         how = ("skip the experts wherever vLLM runs its Triton experts (the engine log says in "
-               "how many MoE layers)")
+               "how many MoE layers), their expert ids written by " + (
+                   "the plugin's routing kernel (fuse_moe_padding_mask)"
+                   if cfg.fuse_moe_padding_mask else "one mask launch per MoE layer after "
+                   "vLLM's routing (\"fuse_moe_padding_mask\": true folds it into the routing)"))
     return [f"padding rows of padded steps: {how}"]
 
 

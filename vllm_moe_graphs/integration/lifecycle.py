@@ -106,7 +106,8 @@ class GraphLifecycle:
 
             self.fused_attn = install_fused_qk_norm_rope(model)
         if c.enabled and c.skip_moe_padding and proof.holds:
-            self.moe_padding = install_moe_padding(model, self._runner)
+            self.moe_padding = install_moe_padding(model, self._runner,
+                                                   c.fuse_moe_padding_mask)
 
     def bind(self, phase: Phase) -> None:
         """Bind the storage to the KV tensors vLLM bound to our layers (else log why not)."""

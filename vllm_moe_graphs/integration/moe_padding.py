@@ -17,16 +17,25 @@ Here the padding rows get an expert id that vLLM 0.26's Triton experts skip
 - E <= 64: vLLM's small-batch alignment kernel indexes ids unchecked. Not eligible.
 
 Plan / run: `padded(n)` (host, around the step's forward or replay) writes the real row count
-into a device scalar; inside the forward, captured with it, `begin(rows)` marks rows >= that
-count and each eligible layer's router output gets `masked_fill_` with the sentinel (one launch
-per layer). Real rows are bit-identical either way: the kernel computes each output row from its
-own input row, with the tile config chosen by T, which does not change. Padding rows come out
-as garbage, which the runner never returns (it slices the real rows) and nothing reads across
-rows: padding tokens write no KV and belong to no request's attention.
+into a device scalar; inside the forward, captured with it, the padding rows' ids become the
+sentinel in one of two ways:
+- the mask (default): `begin(rows)` marks rows >= that count and each eligible layer's router
+  output gets `masked_fill_` with the sentinel, one launch per layer after vLLM's `topk_softmax`;
+- `fuse_moe_padding_mask`: each eligible layer routes through the plugin's top-k softmax
+  (`ops/moe_router.py`), which reads the count and writes the sentinel in the same launch:
+  no launch more than stock vLLM's. It replaces vLLM's routing in every step, padded or not
+  (graphs and the kill switch route alike), so its rounding, not vLLM's, is the model's.
+Real rows are bit-identical either way to an unpadded run of the same routing: the experts
+kernel computes each output row from its own input row, with the tile config chosen by T, which
+does not change. Padding rows come out as garbage, which the runner never returns (it slices
+the real rows) and nothing reads across rows: padding tokens write no KV and belong to no
+request's attention.
 
 Eligible: vLLM's `MoERunner` whose experts are exactly `TritonExperts` (modular), with no
 expert map (no expert parallelism), no EPLB, no zero-expert router, and more than 64 experts.
-Refused layers keep vLLM's routing, by name and reason.
+Refused layers keep vLLM's routing, by name and reason. The fused routing further needs vLLM's
+`FusedTopKRouter` with softmax scoring (`patch/router_compute_routing.refusal`); an eligible
+layer it refuses takes the mask.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from typing import Any
 
 import torch
 
-from vllm_moe_graphs.integration.patch import router_select_experts
+from vllm_moe_graphs.integration.patch import router_compute_routing, router_select_experts
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -61,6 +70,7 @@ class MoePadding:
         self._pad = torch.zeros(max_rows, dtype=torch.bool, device=device)  # [R]
         self.active = False  # a padded forward is running (eager or being captured)
         self.layers: dict[str, str] = {}  # MoE layer name -> SKIPPED or why not
+        self.masks = 0  # layers whose routing output takes the mask (`rewrite`)
 
     @property
     def max_rows(self) -> int:
@@ -80,12 +90,15 @@ class MoePadding:
             self.active = False
 
     def begin(self, rows: int) -> None:
-        """The run half's first launch, inside the forward: mark rows >= the real count."""
-        if self.active:
+        """The run half's first launch, inside the forward: mark rows >= the real count (no
+        launch when no layer takes the mask)."""
+        if self.active and self.masks:
             torch.ge(self._index[:rows], self._real, out=self._pad[:rows])
 
     def rewrite(self, top_k: int, num_experts: int) -> router_select_experts.Rewrite:
-        """The in-place rewrite of one layer's `topk_ids` [T, K] (a no-op outside `padded`)."""
+        """The in-place rewrite of one layer's `topk_ids` [T, K] (a no-op outside `padded`);
+        the layer counts in `masks`."""
+        self.masks += 1
 
         def apply(topk_ids: torch.Tensor) -> None:
             if not self.active:
@@ -96,6 +109,27 @@ class MoePadding:
                                   sentinel(rows, top_k, num_experts))
 
         return apply
+
+    def route(self, top_k: int, num_experts: int,
+              renormalize: bool) -> router_compute_routing.Route:
+        """One layer's routing through the plugin's top-k softmax, the padding rows of a padded
+        forward sent to the sentinel in the same launch (every row real outside `padded`)."""
+        from vllm_moe_graphs.ops.moe_router import SUPPORTED_ID_DTYPES, topk_softmax
+
+        def route(logits: torch.Tensor,
+                  indices_type: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = logits.shape[0]
+            assert not self.active or rows <= self.max_rows, (
+                f"{rows} MoE rows in a padded forward, the mask covers {self.max_rows}")
+            if logits.stride(-1) != 1:
+                logits = logits.contiguous()  # [T, E]
+            # vLLM's select_experts converts other id dtypes after the routing
+            ids_dtype = indices_type if indices_type in SUPPORTED_ID_DTYPES else torch.int32
+            return topk_softmax(logits, top_k, renormalize, ids_dtype=ids_dtype,
+                                real=self._real if self.active else None,
+                                sentinel=sentinel(rows, top_k, num_experts))
+
+        return route
 
 
 def padded_scope(padding: MoePadding | None,
@@ -154,10 +188,13 @@ def refusal(module: Any) -> str | None:
     return None
 
 
-def install_moe_padding(model: torch.nn.Module, runner: Any) -> MoePadding | None:
+def install_moe_padding(model: torch.nn.Module, runner: Any,
+                        fuse_mask: bool = False) -> MoePadding | None:
     """Route the padding rows of every eligible MoE layer of `model` past its experts, for the
-    steps of vLLM model runner `runner` (its token buffer bounds the rows). None for a model
-    without vLLM MoE layers; else the state, with `layers` saying which skip."""
+    steps of vLLM model runner `runner` (its token buffer bounds the rows), through the fused
+    routing where `fuse_mask` and the layer's router allow it, else the mask. None for a model
+    without vLLM MoE layers; else the state, with `layers` saying which skip and `masks` how
+    many of those take the mask."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     owners = {name: m for name, m in model.named_modules() if isinstance(m, MoERunner)}
@@ -167,12 +204,22 @@ def install_moe_padding(model: torch.nn.Module, runner: Any) -> MoePadding | Non
     for name, module in owners.items():
         why = refusal(module)
         if why is None:
-            cfg = module.moe_config
-            router_select_experts.install(
-                module.router, padding.rewrite(cfg.experts_per_token, cfg.num_experts))
+            cfg, router = module.moe_config, module.router
+            unfused = router_compute_routing.refusal(router) if fuse_mask else None
+            if fuse_mask and unfused is None:
+                router_compute_routing.install(router, padding.route(
+                    cfg.experts_per_token, cfg.num_experts, router.renormalize))
+            else:
+                router_select_experts.install(
+                    router, padding.rewrite(cfg.experts_per_token, cfg.num_experts))
+            if unfused is not None and padding.masks == 1:
+                logger.info("moe_graphs: %s takes the padding mask, not the fused routing: %s",
+                            name, unfused)
         padding.layers[name] = why or SKIPPED
     skipped = sum(v == SKIPPED for v in padding.layers.values())
-    logger.info("moe_graphs: padding rows skip the experts in %d of %d MoE layers%s", skipped,
+    logger.info("moe_graphs: padding rows skip the experts in %d of %d MoE layers%s; %d "
+                "through the fused routing, %d through the mask", skipped,
                 len(padding.layers), "" if skipped == len(padding.layers) else
-                f" (first refusal: {next(v for v in padding.layers.values() if v != SKIPPED)})")
+                f" (first refusal: {next(v for v in padding.layers.values() if v != SKIPPED)})",
+                skipped - padding.masks, padding.masks)
     return padding

@@ -21,6 +21,7 @@ they are switched on; their files here say why, how and when each goes:
 | linear_quant_method.py | `quant_method` of eligible linear layers (instance) | `linear.install_small_m_gemm` (`small_m_gemm`) | vLLM picks a small-M GEMM itself |
 | attention_forward.py | `forward` of eligible Qwen3 attention modules (instance) | `qk_norm_rope.install_fused_qk_norm_rope` (`fuse_qk_norm_rope`) | vLLM's Qwen3 attention fuses q/k norm + RoPE |
 | router_select_experts.py | `select_experts` of the router of eligible fused-MoE layers (instance) | `moe_padding.install_moe_padding` (`skip_moe_padding`) | vLLM's fused MoE takes a count of valid rows |
+| router_compute_routing.py | `_compute_routing` of the `FusedTopKRouter` of eligible fused-MoE layers (instance) | `moe_padding.install_moe_padding` (`fuse_moe_padding_mask`) | vLLM's fused MoE takes a count of valid rows |
 | runner_model.py | the model runner's `model`, during one precapture dummy batch | `lifecycle.GraphLifecycle.capturing` (`precapture`) | vLLM's dummy run takes a capture hook |
 """
 
