@@ -70,6 +70,12 @@ def settings_args(settings: Mapping[str, Any] | None) -> list[str]:
 # tokens in the GPU-bound steps of long prompts, for 16 more keys to capture.
 FINE_TOKEN_BUCKETS: tuple[int, ...] = tuple(sorted(
     set(TOKEN_BUCKETS) | {base * k // 16 for base in (2048, 4096) for k in range(16, 32)}))
+# `plugin_eager_long_steps`' token buckets: the defaults up to 4096 tokens. A step of more (a
+# long prompt's chunk, GPU-bound: on Qwen3-30B-A3B about 2 ms of GPU work per layer against
+# about 1 ms of eager host work) runs eager at its exact size (`step_too_large`): no padded
+# tokens, the host hidden behind the GPU, if the GPU work does outrun it.
+EAGER_PAST_TOKENS = 4096
+SHORT_TOKEN_BUCKETS: tuple[int, ...] = tuple(b for b in TOKEN_BUCKETS if b <= EAGER_PAST_TOKENS)
 
 SERVE_MODES: dict[str, ServeMode] = {
     m.name: m
@@ -107,6 +113,11 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "of long prompts, more keys to capture)",
                   settings=dict(token_buckets=list(FINE_TOKEN_BUCKETS)), ready_estimate_s=60.0,
                   default=False),
+        ServeMode("plugin_eager_long_steps", "on request: `plugin` with token buckets up to "
+                  f"{EAGER_PAST_TOKENS} tokens: a step of more (long prompts' chunks, GPU-bound) "
+                  "runs eager at its exact size, no padded tokens (step_too_large)",
+                  settings=dict(token_buckets=list(SHORT_TOKEN_BUCKETS)),
+                  ready_estimate_s=60.0, default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",
                   settings=dict(prefill_attention="triton"),

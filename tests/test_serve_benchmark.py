@@ -371,6 +371,19 @@ def test_fine_token_mode_halves_the_bucket_spacing_from_2048_tokens():
     assert [b for b in fine if b < 2048] == [b for b in TOKEN_BUCKETS if b < 2048]
 
 
+def test_eager_long_steps_mode_stops_the_token_buckets_at_4096():
+    from vllm_moe_graphs.config import TOKEN_BUCKETS, PluginConfig
+    from vllm_moe_graphs.graphs.buckets import graph_config
+
+    mode = serve.SERVE_MODES["plugin_eager_long_steps"]
+    assert "plugin_eager_long_steps" not in serve.DEFAULT_MODES
+    short = PluginConfig.from_dict(mode.settings)
+    assert short.token_buckets == tuple(b for b in TOKEN_BUCKETS if b <= 4096)
+    assert short.token_buckets[-1] == 4096
+    # fitted to vllm serve's 8192-token step budget, the ceiling stays: past it, eager
+    assert graph_config(short, 1024, 40960, 8192).token_buckets[-1] == 4096
+
+
 def test_every_plugin_mode_passes_a_valid_plugin_config():
     from vllm_moe_graphs.config import PluginConfig
 
