@@ -71,9 +71,8 @@ def settings_args(settings: Mapping[str, Any] | None) -> list[str]:
 FINE_TOKEN_BUCKETS: tuple[int, ...] = tuple(sorted(
     set(TOKEN_BUCKETS) | {base * k // 16 for base in (2048, 4096) for k in range(16, 32)}))
 # `plugin_eager_long_steps`' token buckets: the defaults up to 4096 tokens. A step of more (a
-# long prompt's chunk, GPU-bound: on Qwen3-30B-A3B about 2 ms of GPU work per layer against
-# about 1 ms of eager host work) runs eager at its exact size (`step_too_large`): no padded
-# tokens, the host hidden behind the GPU, if the GPU work does outrun it.
+# long prompt's chunk, GPU-bound) runs eager at its exact size (`step_too_large`): no padded
+# tokens, and the eager host work costs nothing where each layer's GPU work outlasts it.
 EAGER_PAST_TOKENS = 4096
 SHORT_TOKEN_BUCKETS: tuple[int, ...] = tuple(b for b in TOKEN_BUCKETS if b <= EAGER_PAST_TOKENS)
 
