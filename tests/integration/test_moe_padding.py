@@ -333,8 +333,9 @@ def test_fused_routing_skips_the_padding_rows_in_a_replayed_graph(rows: int, rea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_routing_picks_what_vllms_fused_topk_picks(dtype: torch.dtype) -> None:
     """Against vLLM's own CUDA `topk_softmax` (via `fused_topk`) on the router logits of 4096
-    rows: the same experts (compared by their probabilities, so that a tie may go either
-    way) and the same weights to float32 rounding."""
+    rows: the same experts (compared by their probabilities, so that a tie or a near-tie that
+    the two kernels' float32 exp rounds apart may go either way) and the same weights to
+    float32 rounding."""
     require_cuda_and_vllm()
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
 
@@ -344,8 +345,8 @@ def test_fused_routing_picks_what_vllms_fused_topk_picks(dtype: torch.dtype) -> 
     want_w, want_i, _ = fused_topk(hidden, logits, K, True)
     weights, ids = MoePadding(4096, "cuda").route(K, E, True)(logits, None)
     probs = torch.softmax(logits.double(), -1)
+    # in order: the same expert at each rank, or one of the same probability to 1e-6
     torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, want_i.long()),
                                atol=1e-6, rtol=0)
-    if dtype == torch.float32:  # no ties among float32 random logits: the same ids, in order
-        assert torch.equal(ids, want_i.to(ids.dtype))
+    assert (ids == want_i.to(ids.dtype)).float().mean() > 0.99  # ties and near-ties aside
     torch.testing.assert_close(weights, want_w, atol=2e-6, rtol=1e-5)
