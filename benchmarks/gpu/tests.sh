@@ -44,6 +44,7 @@ if [ "${1:-}" = tier ]; then
     + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
     "$T::test_idle_capture_recaptures_after_wake_up_through_vllm_serve" \
+    "$T::test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager" \
     + -m gpu "$T::test_mixed_graphs_match_kill_switch_eager" \
     "$T::test_mixed_traffic_faults_keep_output_identical" \
     "$T::test_mixed_traffic_faults_through_vllm_serve" \
