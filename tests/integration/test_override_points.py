@@ -848,7 +848,9 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
 def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     """An MoE model: the warm-up's batches call vLLM's fused-MoE config lookup with their token
     count; the counts that reach its other kernel variants then run eagerly without attention
-    (any count up to max_num_tokens fits), each once, none the warm-up ran already."""
+    (any count up to max_num_tokens fits), each once, none the warm-up ran already; then one
+    2-row forward runs padded (one real row), so the fused routing's padding-row variant is
+    compiled before serving."""
     import dataclasses
     import logging
     import types
@@ -856,6 +858,7 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     from vllm.model_executor.layers.fused_moe.experts import triton_moe
 
     from vllm_moe_graphs.graphs.buckets import graph_config
+    from vllm_moe_graphs.integration.moe_padding import MoePadding
 
     def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):  # 0.26's parameters
         return {"BLOCK_SIZE_M": 16 if M <= 40 else 64}
@@ -865,9 +868,14 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     r.max_model_len, r.max_num_tokens = 64, 100
     r.moe_graphs.graphs.config = graph_config(
         dataclasses.replace(r.moe_graphs.graphs.config, decode_batch_buckets=(2, 4)), 4, 64)
-    calls = []
+    calls, padded = [], []
+    padding = MoePadding(100, "cpu")
+    r.moe_graphs.moe_padding = padding  # the padding rows skip the experts (skip_moe_padding)
 
     def dummy_run(num_tokens, **kw):  # the MoE layers look their config up per batch
+        if padding.active:  # a padded forward: the fused routing's padding-row variant
+            padded.append((num_tokens, kw, padding._real.tolist()))
+            return
         calls.append((num_tokens, kw))
         triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
 
@@ -882,7 +890,9 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     # groups [1, 40] and [41, 100]; naive path up to 8 // (4 * 2) = 1; BLOCK_SIZE_M 16 and 64
     assert [n for n, _ in moe] == [1, 15, 17, 39, 40, 41, 42, 64, 65, 99, 100]
     assert all(kw["cudagraph_runtime_mode"] is mode_enum.NONE for _, kw in moe)
-    assert "6 prefill batches, 11 fused-MoE token counts" in caplog.text
+    assert "6 prefill batches, 11 fused-MoE token counts, a padded MoE forward" in caplog.text
+    assert padded == [(2, {"cudagraph_runtime_mode": mode_enum.NONE, "skip_eplb": True,
+                           "remove_lora": False}, [1])] and not padding.active
     assert capture.captures == 0
 
 

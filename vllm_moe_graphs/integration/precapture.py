@@ -28,6 +28,7 @@ from vllm_moe_graphs.integration.moe_warm_up import moe_token_counts, recording_
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
+    from vllm_moe_graphs.integration.moe_padding import MoePadding
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
     from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
@@ -41,7 +42,8 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
     """Warm the kernels up, then capture every key when configured (else log the lazy plan);
     returns the pool bytes."""
     config, graphs = lifecycle.config, lifecycle.graphs
-    warm_up_kernels(runner, graphs, decode_keys=not config.precapture)
+    warm_up_kernels(runner, graphs, decode_keys=not config.precapture,
+                    moe_padding=lifecycle.moe_padding)
     if not config.precapture:
         logger.info("moe_graphs: graphs are captured lazily, on first use of each key "
                     "after %d warm-up steps%s", config.warmup_steps,
@@ -117,15 +119,20 @@ def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) ->
 
 
 def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
-                    decode_keys: bool = True) -> float:
+                    decode_keys: bool = True, moe_padding: MoePadding | None = None) -> float:
     """Run every kernel shape class a request can meet once, eagerly, before the engine is
     ready; returns the seconds it took. `decode_keys=False` leaves the decode batches to the
-    pre-capture (whose warm-up steps run them). A failure stops the start-up with the remedy:
-    a request would meet it too."""
+    pre-capture (whose warm-up steps run them). With `moe_padding`, one forward runs padded
+    (the fused routing's variant for padding rows, `fuse_moe_padding_mask`). A failure stops
+    the start-up with the remedy: a request would meet it too."""
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
     try:
         prefill, moe = _warm_up(runner, keys)
+        if moe_padding is not None:
+            with moe_padding.padded(1):  # a 2-row forward, its second row padding
+                runner._dummy_run(2, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                                  remove_lora=False)
     except Exception as exc:
         raise RuntimeError(
             f"moe_graphs: the kernel warm-up before serving failed ({type(exc).__name__}: "
@@ -133,8 +140,9 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
             "to run stock vLLM.") from exc
     seconds = time.perf_counter() - start
     logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
-                "batches, %d fused-MoE token counts, slot mapping) in %.2f s", len(keys),
-                prefill, moe, seconds)
+                "batches, %d fused-MoE token counts%s, slot mapping) in %.2f s", len(keys),
+                prefill, moe, ", a padded MoE forward" if moe_padding is not None else "",
+                seconds)
     return seconds
 
 
