@@ -848,9 +848,9 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
 def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     """An MoE model: the warm-up's batches call vLLM's fused-MoE config lookup with their token
     count; the counts that reach its other kernel variants then run eagerly without attention
-    (any count up to max_num_tokens fits), each once, none the warm-up ran already; then one
-    2-row forward runs padded (one real row), so the fused routing's padding-row variant is
-    compiled before serving."""
+    (any count up to max_num_tokens fits), each once, none the warm-up ran already; with a layer
+    on the fused routing, one 2-row forward then runs padded (one real row), so that kernel's
+    padding-row variant compiles before serving."""
     import dataclasses
     import logging
     import types
@@ -871,6 +871,7 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     calls, padded = [], []
     padding = MoePadding(100, "cpu")
     r.moe_graphs.moe_padding = padding  # the padding rows skip the experts (skip_moe_padding)
+    padding.rewrite(2, 8)  # a layer on the mask
 
     def dummy_run(num_tokens, **kw):  # the MoE layers look their config up per batch
         if padding.active:  # a padded forward: the fused routing's padding-row variant
@@ -882,6 +883,10 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     r._dummy_run = dummy_run
     r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        r.capture_model()  # the mask compiles nothing: no padded forward
+        assert not padded and "a padded MoE forward" not in caplog.text
+        calls.clear()
+        padding.route(2, 8, True)  # a layer on the fused routing
         r.capture_model()
     assert triton_moe.try_get_optimal_moe_config is lookup
     first = [n for n, kw in calls if kw.get("force_attention")]

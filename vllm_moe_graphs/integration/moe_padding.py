@@ -71,6 +71,7 @@ class MoePadding:
         self.active = False  # a padded forward is running (eager or being captured)
         self.layers: dict[str, str] = {}  # MoE layer name -> SKIPPED or why not
         self.masks = 0  # layers whose routing output takes the mask (`rewrite`)
+        self.fused = 0  # layers routed through the plugin's top-k softmax (`route`)
 
     @property
     def max_rows(self) -> int:
@@ -113,8 +114,11 @@ class MoePadding:
     def route(self, top_k: int, num_experts: int,
               renormalize: bool) -> router_compute_routing.Route:
         """One layer's routing through the plugin's top-k softmax, the padding rows of a padded
-        forward sent to the sentinel in the same launch (every row real outside `padded`)."""
+        forward sent to the sentinel in the same launch (every row real outside `padded`); the
+        layer counts in `fused`."""
         from vllm_moe_graphs.ops.moe_router import SUPPORTED_ID_DTYPES, topk_softmax
+
+        self.fused += 1
 
         def route(logits: torch.Tensor,
                   indices_type: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,5 +225,5 @@ def install_moe_padding(model: torch.nn.Module, runner: Any,
                 "through the fused routing, %d through the mask", skipped,
                 len(padding.layers), "" if skipped == len(padding.layers) else
                 f" (first refusal: {next(v for v in padding.layers.values() if v != SKIPPED)})",
-                skipped - padding.masks, padding.masks)
+                padding.fused, padding.masks)
     return padding

@@ -122,14 +122,15 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
                     decode_keys: bool = True, moe_padding: MoePadding | None = None) -> float:
     """Run every kernel shape class a request can meet once, eagerly, before the engine is
     ready; returns the seconds it took. `decode_keys=False` leaves the decode batches to the
-    pre-capture (whose warm-up steps run them). With `moe_padding`, one forward runs padded
-    (the fused routing's variant for padding rows, `fuse_moe_padding_mask`). A failure stops
-    the start-up with the remedy: a request would meet it too."""
+    pre-capture (whose warm-up steps run them). Where `moe_padding` has layers on the fused
+    routing (`fuse_moe_padding_mask`), one forward runs padded: that kernel's variant for
+    padding rows. A failure stops the start-up with the remedy: a request would meet it too."""
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
     try:
         prefill, moe = _warm_up(runner, keys)
-        if moe_padding is not None:
+        padded = moe_padding is not None and moe_padding.fused > 0
+        if padded:
             with moe_padding.padded(1):  # a 2-row forward, its second row padding
                 runner._dummy_run(2, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                                   remove_lora=False)
@@ -141,8 +142,7 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     seconds = time.perf_counter() - start
     logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
                 "batches, %d fused-MoE token counts%s, slot mapping) in %.2f s", len(keys),
-                prefill, moe, ", a padded MoE forward" if moe_padding is not None else "",
-                seconds)
+                prefill, moe, ", a padded MoE forward" if padded else "", seconds)
     return seconds
 
 
