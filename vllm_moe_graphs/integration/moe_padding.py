@@ -124,7 +124,7 @@ class MoePadding:
                   indices_type: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
             rows = logits.shape[0]
             assert not self.active or rows <= self.max_rows, (
-                f"{rows} MoE rows in a padded forward, the mask covers {self.max_rows}")
+                f"{rows} MoE rows in a padded forward, vLLM has {self.max_rows} token rows")
             if logits.stride(-1) != 1:
                 logits = logits.contiguous()  # [T, E]
             # vLLM's select_experts converts other id dtypes after the routing
