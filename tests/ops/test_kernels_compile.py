@@ -7,7 +7,8 @@ tests compiles for real, so the check is for CPU machines only.
 
 How: under the interpreter each launch is recorded instead of run (kernel, argument types,
 constexprs, warps, stages); a second process without `TRITON_INTERPRET` compiles each recorded
-specialization with `triton.compile` for the H200's target."""
+specialization with `triton.compile` for the H200's target, and checks that its shared memory
+fits one H200 block (a launch past it fails out of resources)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
           torch.uint8: "u8", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages")
+H200_SHARED_BYTES = 232448  # 227 KiB: the most shared memory one block may use on sm_90
 
 _COMPILE = r"""
 import importlib, json, sys
@@ -44,7 +46,7 @@ for spec in json.load(sys.stdin):
     src = ASTSource(kernel, spec["signature"], spec["constants"])
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     assert ".target sm_90" in compiled.asm["ptx"] and compiled.asm["cubin"], spec["name"]
-    done.append(spec["name"])
+    done.append([spec["name"], compiled.metadata.shared])
 print("COMPILED " + json.dumps(done))
 """
 
@@ -154,6 +156,9 @@ def test_every_kernel_compiles_for_the_h200(launches) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = json.loads(proc.stdout.split("COMPILED ", 1)[1])
     assert len(compiled) == len(launches) >= 14, [spec["name"] for spec in launches]
+    # a block's shared memory within the H200's limit, else its launch fails out of resources
+    too_big = [(name, shared) for name, shared in compiled if shared > H200_SHARED_BYTES]
+    assert not too_big, f"shared memory past the H200's {H200_SHARED_BYTES} bytes: {too_big}"
 
 
 def test_a_constexpr_fed_a_runtime_value_fails_to_compile(launches) -> None:
