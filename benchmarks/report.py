@@ -17,6 +17,9 @@ from benchmarks.modes import EAGER_MODES, GRAPH_MODES, MODES, STOCK_GRAPH_MODES,
 from benchmarks.protocol import SCHEMA, WorkerResult, write_json_atomic
 from benchmarks.shapes import ModelShape, decode_step_bytes, floor_ms
 
+# rule 4: plugin graph modes other than plugin_graphs (options measured beside the defaults)
+PLUGIN_GRAPH_VARIANTS = tuple(m for m in GRAPH_MODES
+                              if MODES[m].family is Family.PLUGIN and m != "plugin_graphs")
 NOISY_SPREAD = 0.2  # (p90 - p10) / p50 above this marks a row noisy
 RATIO_RULES = """\
 Ratio keys are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`, value
@@ -25,8 +28,9 @@ point that has measurements, with "best stock graph mode" = the stock graph mode
 tpot_p50 there:
   1. every other stock mode over the best stock graph mode;
   2. every eager mode (stock_eager, plugin_eager) over every graph mode;
-  3. every stock mode over plugin_graphs (and over plugin_graphs_experimental and
-     plugin_graphs_cublas), when measured."""
+  3. every stock mode over plugin_graphs (and over plugin_graphs_experimental,
+     plugin_graphs_cublas and plugin_graphs_fused_router), when measured;
+  4. plugin_graphs over every other plugin graph mode (an option's gain, one ratio)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -143,9 +147,11 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
             for graph in GRAPH_MODES:
                 put(eager, graph, at, tpot)
         for mode in stock:
-            put(mode, "plugin_graphs", at, tpot)
-            put(mode, "plugin_graphs_experimental", at, tpot)
-            put(mode, "plugin_graphs_cublas", at, tpot)
+            for plugin in ("plugin_graphs", "plugin_graphs_experimental", "plugin_graphs_cublas",
+                           "plugin_graphs_fused_router"):
+                put(mode, plugin, at, tpot)
+        for variant in PLUGIN_GRAPH_VARIANTS:
+            put("plugin_graphs", variant, at, tpot)
     return ratios
 
 

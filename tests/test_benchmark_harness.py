@@ -302,6 +302,13 @@ def test_ratios_with_plugin_rows() -> None:
     assert ratios[f"tpot_plugin_eager_over_plugin_graphs{at}"] == 8.2
     assert ratios[f"tpot_plugin_eager_over_stock_graphs{at}"] == 5.125
     assert len(ratios) == 5
+    # an option measured beside the defaults: stock over it, the defaults over it
+    rows.append(_row("qwen3-30b-a3b", 32, 4096, "plugin_graphs_fused_router", 4.0))
+    ratios = report.compute_ratios(rows)
+    assert ratios[f"tpot_stock_graphs_over_plugin_graphs_fused_router{at}"] == 2.0
+    assert ratios[f"tpot_plugin_graphs_over_plugin_graphs_fused_router{at}"] == 1.25
+    assert ratios[f"tpot_plugin_eager_over_plugin_graphs_fused_router{at}"] == 10.25
+    assert len(ratios) == 9
 
 
 def test_repeat_summary_pairs_repeats() -> None:
