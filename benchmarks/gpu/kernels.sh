@@ -45,7 +45,7 @@ step gemm-sweep 30 -m benchmarks.gemm_kernels --ms 1,8 --shapes qwen3-0.6b/qkv,q
   --sweep-num-warps 4 --sweep-num-stages 3 --sweep-swap-ab 0,1
 step attn-grid 70 -m benchmarks.attn_kernels --batches 1,8,32,64,128 --contexts 512,2048,8192,32768
 step attn-prefill 70 -m benchmarks.prefill_kernels
-step router 15 -m benchmarks.router_kernels
+step router 50 -m benchmarks.router_kernels
 step attn-sweep-b1 100 -m benchmarks.attn_kernels --models qwen3-0.6b --batches 1 \
   --contexts 512 --sweep --sweep-block-n 16,32,64 --sweep-num-warps 2,4 --sweep-num-stages 2 \
   --sweep-splits auto,4,8,16,32
