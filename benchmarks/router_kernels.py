@@ -80,19 +80,18 @@ def run(args: argparse.Namespace) -> int:
         def plugin():
             return route(logits, None)
 
+        ways = {"vllm": vllm, "vllm_mask": vllm_mask, "plugin": plugin}
         real = max(1, t // 2)
         with padding.padded(real):
             padding.begin(t)
-            picks = {name: fn()[1].long() for name, fn in
-                     (("vllm", vllm), ("vllm_mask", vllm_mask), ("plugin", plugin))}
+            picks = {name: fn()[1].long() for name, fn in ways.items()}
             probs = torch.softmax(logits.double(), -1)[:real]
             agree = torch.allclose(probs.gather(1, picks["plugin"][:real]),
                                    probs.gather(1, picks["vllm"][:real]), atol=1e-6, rtol=0)
             agree &= bool((picks["plugin"][real:] == sentinel(t, TOP_K, EXPERTS)).all())
             agree &= torch.equal(picks["plugin"][real:], picks["vllm_mask"][real:])
             timing = (args.graph_launches, args.warmup_replays, args.replays)
-            us = {name: _time_graph(torch, [fn], *timing)
-                  for name, fn in (("vllm", vllm), ("vllm_mask", vllm_mask), ("plugin", plugin))}
+            us = {name: _time_graph(torch, [fn], *timing) for name, fn in ways.items()}
         if not agree:
             mismatches.append(t)
         row = dict(rows=t, real_rows=real, **{f"{k}_us": v for k, v in us.items()}, agree=agree)

@@ -313,8 +313,7 @@ class GraphLifecycle:
             return None
         step.plan = None
         d = plan.decision
-        padded = d.padded and d.key is not None and key_pads(d.key.batch_bucket)
-        with padded_scope(self.moe_padding, d.num_reqs if padded else None):
+        with self._moe_padded(d.key if d.padded else None, d.num_reqs):
             out, _ = self.graphs.run(d, self._forward_fn(args, plan.with_logits), plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
@@ -358,14 +357,20 @@ class GraphLifecycle:
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
         returns its output, or the eager forward's when the capture was denied or failed."""
-        with padded_scope(self.moe_padding,
-                          key.batch_bucket if key_pads(key.batch_bucket) else None):
+        with self._moe_padded(key, key.batch_bucket):
             result = self.graphs.precapture([key], forward=self._forward_fn(
                 args, self._logits_for(key)))[key]
         out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
+    def _moe_padded(self, key: GraphKey | None,
+                    real_rows: int) -> contextlib.AbstractContextManager[None]:
+        """The MoE padding scope of a forward at `key`'s padded size with `real_rows` real rows
+        (none for vLLM's own unpadded step, `key` None, or a key that cannot pad)."""
+        pads = key is not None and key_pads(key.batch_bucket)
+        return padded_scope(self.moe_padding, real_rows if pads else None)
+
     def _plan_key(self, key: GraphKey | None) -> None:
         """Our metadata builders plan the next build for `key` (`plan_for`): a decode key's
         context bucket (the decode kernel's split count), a key with prefill tokens' token

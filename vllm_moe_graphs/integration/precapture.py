@@ -28,10 +28,10 @@ from vllm_moe_graphs.integration.moe_warm_up import moe_token_counts, recording_
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
-    from vllm_moe_graphs.integration.moe_padding import MoePadding
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
     from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
+    from vllm_moe_graphs.integration.moe_padding import MoePadding
 
 logger = logging.getLogger("vllm.moe_graphs")
 
