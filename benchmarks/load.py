@@ -240,11 +240,13 @@ def _dist(values: Sequence[float], scale: float = 1e3) -> dict[str, float | None
 def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
     """The statistics of one window. Failed requests count in `failed` and `errors` only."""
     ok = [r for r in records if r.error is None]
-    ttft = [r.chunk_s[0] - r.sent_s for r in ok]
-    tpot = [(r.chunk_s[-1] - r.chunk_s[0]) / (r.output_tokens - 1)
-            for r in ok if r.output_tokens > 1]
+    per_request = {  # seconds by request index
+        "ttft_ms": {r.index: r.chunk_s[0] - r.sent_s for r in ok},
+        "tpot_ms": {r.index: (r.chunk_s[-1] - r.chunk_s[0]) / (r.output_tokens - 1)
+                    for r in ok if r.output_tokens > 1},
+        "e2e_ms": {r.index: r.chunk_s[-1] - r.sent_s for r in ok},
+    }
     itl = [b - a for r in ok for a, b in zip(r.chunk_s, r.chunk_s[1:])]
-    e2e = [r.chunk_s[-1] - r.sent_s for r in ok]
     lag = [r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)]
     span = max((r.chunk_s[-1] for r in ok), default=0.0)
     window = max((r.scheduled_s for r in records), default=0.0)
@@ -264,10 +266,10 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
         "span_s": round(span, 3),
         "prompt_tokens_mean": round(sum(r.prompt_len for r in ok) / len(ok), 1) if ok else None,
         "output_tokens": tokens,
-        "ttft_ms": _dist(ttft),
-        "tpot_ms": _dist(tpot),
+        "ttft_ms": _dist(list(per_request["ttft_ms"].values())),
+        "tpot_ms": _dist(list(per_request["tpot_ms"].values())),
         "itl_ms": _dist(itl),
-        "e2e_ms": _dist(e2e),
+        "e2e_ms": _dist(list(per_request["e2e_ms"].values())),
         "send_lag_ms": send_lag,
         "client_lagging": bool(lag) and send_lag["p99"] > LAG_P99_LIMIT_MS,
         "tokens_in_merged_chunks": merged,  # tokens that shared a chunk: ITL undercounts them
@@ -275,5 +277,10 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
         # what the arrivals asked for: all requested tokens over the arrival window
         "offered_output_tokens_per_s": round(offered, 1) if offered else None,
         "requests_per_s": round(len(ok) / span, 3) if span > 0 else None,
+        # every request's value in ms by index, None where it has none: every mode is offered
+        # the same requests, so the ratios' intervals resample them in pairs (serve_report)
+        "samples": {f: [None if (v := values.get(i)) is None else round(v * 1e3, 3)
+                        for i in range(max((r.index for r in records), default=-1) + 1)]
+                    for f, values in per_request.items()},
     }
 

@@ -5,11 +5,14 @@ Ratio keys: `<metric>_<A>_over_<B>/<model>/<workload>/r<rate>`, time of A over t
 means B is faster), for metric in RATIO_METRICS with B = plugin and A each stock mode; and
 `otps_plugin_over_<A>/...`, output tokens/s of the plugin over A's (> 1 means the plugin serves
 more). A merged file lists the ratios whose rows come from two runs (`ratios_across_runs`).
+`ratio_intervals` holds, under the same keys, each latency ratio's bootstrap interval from the
+rows' per-request samples: how far the window's own sampling can move it.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,11 @@ RATIO_METRICS = {  # ratio metric -> (row field, statistic)
 # takes over. Throughput alone cannot tell: with short windows the drain of the last requests
 # weighs more than any backlog, and vLLM admits up to max_num_seqs requests before it queues.
 LATENCY_KNEE = 4.0
+# A latency ratio's interval (`ratio_intervals`): the paired bootstrap's central INTERVAL_LEVEL
+# of RESAMPLES resamples of the requests both modes completed, where at least MIN_PAIRED did.
+INTERVAL_LEVEL = 0.95
+RESAMPLES = 2000
+MIN_PAIRED = 8
 ROW_KEYS = ("model", "mode", "workload", "rate", "requests", "completed", "failed", "ttft_ms",
             "tpot_ms", "itl_ms", "e2e_ms", "send_lag_ms", "output_tokens_per_s",
             "requests_per_s", "steps")
@@ -43,9 +51,9 @@ def _stat(row: Mapping[str, Any], field: str, stat: str) -> float | None:
 
 
 def _ratio_pairs(rows: Iterable[Mapping[str, Any]]
-                 ) -> Iterable[tuple[str, float, Mapping[str, Any], Mapping[str, Any]]]:
-    """(key, value, the other mode's row, the plugin mode's row) of every ratio (see
-    compute_ratios)."""
+                 ) -> Iterable[tuple[str, str, float, Mapping[str, Any], Mapping[str, Any]]]:
+    """(key, metric, value, the other mode's row, the plugin mode's row) of every ratio (see
+    compute_ratios); metric is a RATIO_METRICS key or `otps`."""
     by_point: dict[tuple[str, str, float], dict[str, Mapping[str, Any]]] = {}
     for row in rows:
         if row.get("completed"):
@@ -62,23 +70,53 @@ def _ratio_pairs(rows: Iterable[Mapping[str, Any]]
                     a, b = _stat(row, field, stat), _stat(plugin, field, stat)
                     if a is not None and b:
                         key = f"{metric}_{other}_over_{mine}/{where}"
-                        yield key, round(a / b, 3), row, plugin
+                        yield key, metric, round(a / b, 3), row, plugin
                 a, b = plugin.get("output_tokens_per_s"), row.get("output_tokens_per_s")
                 if a is not None and b:
-                    yield f"otps_{mine}_over_{other}/{where}", round(a / b, 3), row, plugin
+                    yield f"otps_{mine}_over_{other}/{where}", "otps", round(a / b, 3), row, plugin
 
 
 def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Every ratio between a plugin mode and each other mode at the same model, workload and
     rate: every stock mode over `plugin`, and over any other plugin mode (`plugin_decode_only`)
     the stock modes and `plugin`."""
-    return {key: value for key, value, _, _ in _ratio_pairs(rows)}
+    return {key: value for key, _, value, _, _ in _ratio_pairs(rows)}
+
+
+def ratio_intervals(rows: Iterable[Mapping[str, Any]], resamples: int = RESAMPLES
+                    ) -> dict[str, list[float]]:
+    """The INTERVAL_LEVEL bootstrap interval [low, high] of every latency ratio whose two rows
+    keep per-request `samples`: the requests both modes completed are resampled in pairs (every
+    mode is offered the same requests, so request i is the same prompt in both), and the ratio's
+    percentile of each resample is taken. The resamples are seeded by the key, so an interval is
+    the same in every file that holds its rows. Rows without samples, or with fewer than
+    MIN_PAIRED paired requests, get none."""
+    import numpy as np
+
+    out = {}
+    tail = (1 - INTERVAL_LEVEL) / 2 * 100
+    for key, metric, _, row, plugin in _ratio_pairs(rows):
+        if metric not in RATIO_METRICS:
+            continue
+        field, stat = RATIO_METRICS[metric]
+        a, b = ((r.get("samples") or {}).get(field) or [] for r in (row, plugin))
+        paired = [(x, y) for x, y in zip(a, b) if x is not None and y]
+        if len(paired) < MIN_PAIRED:
+            continue
+        values = np.array(paired)
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        picks = values[rng.integers(0, len(paired), size=(resamples, len(paired)))]
+        q = float(stat[1:])
+        ratios = np.percentile(picks[:, :, 0], q, axis=1) / np.percentile(picks[:, :, 1], q,
+                                                                           axis=1)
+        out[key] = [round(float(v), 3) for v in np.percentile(ratios, [tail, 100 - tail])]
+    return out
 
 
 def ratios_across_runs(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     """The ratio keys whose two rows come from different runs (`run`, set by `merge`): not
     measured side by side, so machine-to-machine noise is in them."""
-    return [key for key, _, a, b in _ratio_pairs(rows) if a.get("run") != b.get("run")]
+    return [key for key, _, _, a, b in _ratio_pairs(rows) if a.get("run") != b.get("run")]
 
 
 def saturation(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -144,11 +182,15 @@ def format_table(doc: Mapping[str, Any]) -> str:
             f"{r['failed']:>5}{_f(_stat(r, 'send_lag_ms', 'p99'), '.1f'):>8}  "
             f"{_steps_text(r.get('steps'))}")
     lines.append("")
+    intervals = doc.get("ratio_intervals", {})
     lines.append("ratios (stock time / plugin time; otps plugin / stock): > 1 = plugin better"
+                 + (f"; [{INTERVAL_LEVEL:.0%} interval]" if intervals else "")
                  + ("; * = rows of two runs" if doc.get("ratios_across_runs") else ""))
     across = set(doc.get("ratios_across_runs", ()))
     for key, value in doc["ratios"].items():
-        lines.append(f"  {key:<58} {value:6.3f}" + (" *" if key in across else ""))
+        iv = intervals.get(key)
+        lines.append(f"  {key:<58} {value:6.3f}" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
+                     + (" *" if key in across else ""))
     lines.append("")
     for key, sat in doc["saturation"].items():
         at = f"saturates at {sat['saturated_at']:g} req/s" if sat["saturated_at"] is not None \
@@ -204,6 +246,8 @@ def assemble(name: str, model: str, env: dict[str, Any], workloads: dict[str, An
     doc = {"schema": SCHEMA, "name": name, "env": env, "model": model, "modes": modes,
            "workloads": workloads, "rows": rows, "ratios": compute_ratios(rows),
            "saturation": saturation(rows), "skipped": skipped}
+    if intervals := ratio_intervals(rows):
+        doc["ratio_intervals"] = intervals
     if across := ratios_across_runs(rows):
         doc["ratios_across_runs"] = across
     check_schema(doc)

@@ -7,9 +7,11 @@ Targets (plugin against `stock`, vLLM's H200 default, at each measured rate):
   workload: 1.2 on `chat`; 1.0 on `long`, whose 4k-8k-token prefills are GPU-bound;
 - at saturation (every rate from there on): output tokens/s at least stock's;
 - on `chat` at REPLAY_RATES: at least REPLAYED_SHARE of the engine steps replayed.
-A point that misses is listed with its value and the floor, and with the graph captures the
-plugin's window held (a lazy capture pauses every request in flight); so is a target that the
-file has no point for (no saturated rate, no row at a replay rate).
+A point that misses is listed with its value and the floor, its bootstrap interval where the
+rows kept per-request samples (an interval that reaches the floor says the window's own sampling
+can account for the miss; the miss still counts), and the graph captures the plugin's window held
+(a lazy capture pauses every request in flight); so is a target that the file has no point for
+(no saturated rate, no row at a replay rate).
 
 Coverage (what one shape's result file must hold, `coverage`): the modes COVERAGE_MODES on
 `chat` and `long` at MIN_RATES or more rates each, up to a rate that saturated one of them;
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import rate_label
-from benchmarks.serve_report import PLUGIN, check_schema
+from benchmarks.serve_report import INTERVAL_LEVEL, PLUGIN, check_schema
 
 AGAINST = "stock"
 TARGET_RATIO = {"chat": 1.2, "long": 1.0}
@@ -55,6 +57,7 @@ def points(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     (`ratios` keyed by metric, `otps`), the plugin's replayed share, which modes were saturated
     there and whether a ratio pairs rows of two runs (`merge`)."""
     model, across = doc["model"], set(doc.get("ratios_across_runs", ()))
+    intervals = doc.get("ratio_intervals", {})
     out = []
     workloads = dict.fromkeys(r["workload"] for r in doc["rows"])
     for workload in sorted(workloads, key=lambda w: (w not in TARGET_RATIO,
@@ -69,6 +72,7 @@ def points(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                          if (s := _saturated_at(doc, m, workload)) is not None and rate >= s]
             out.append({"workload": workload, "rate": rate, "saturated": saturated,
                         "ratios": {m: doc["ratios"].get(k) for m, k in keys.items()},
+                        "intervals": {m: intervals.get(k) for m, k in keys.items()},
                         "replayed": (plugin[rate].get("steps") or {}).get("replayed_share"),
                         "captures": _captures(plugin[rate].get("steps") or {}),
                         "across_runs": any(k in across for k in keys.values())})
@@ -86,6 +90,12 @@ def _captures(steps: Mapping[str, Any]) -> str:
             + ("" if inside is None else f", {inside} inside steps") + f" ({seconds:.2f} s)")
 
 
+def _interval(interval: Sequence[float] | None) -> str:
+    """A miss' bootstrap interval, for its line: '' when the rows kept no samples."""
+    return "" if not interval else (f" ({INTERVAL_LEVEL:.0%} interval {interval[0]:.2f}-"
+                                    f"{interval[1]:.2f}x)")
+
+
 def misses(doc: Mapping[str, Any]) -> list[str]:
     """Every target the file's points miss or cannot show, one line each (module doc)."""
     out, model = [], doc["model"]
@@ -100,8 +110,8 @@ def misses(doc: Mapping[str, Any]) -> list[str]:
         for p in pts:
             where = f"{model} {workload} r{p['rate']:g}"
             if not p["saturated"]:
-                out += [(f"{where}: {m} {v:.2f}x < {floor}x" if v is not None else
-                         f"{where}: {m} not measured") + p["captures"]
+                out += [(f"{where}: {m} {v:.2f}x < {floor}x" + _interval(p["intervals"][m])
+                         if v is not None else f"{where}: {m} not measured") + p["captures"]
                         for m in LATENCY_RATIOS
                         if (v := p["ratios"][m]) is None or v < floor]
             elif (v := p["ratios"]["otps"]) is None or v < 1.0:

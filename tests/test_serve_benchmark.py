@@ -24,6 +24,7 @@ from benchmarks.load import (
     rate_label,
     summarize,
 )
+from benchmarks.report import percentile
 from benchmarks.serve_server import IDLE_CAPTURE_DONE, IDLE_CAPTURE_ON, Server, log_facts, \
     step_counters, step_shares
 from tests.serve_util import cpu_env
@@ -352,6 +353,84 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert "plugin_triton_prefill" not in serve.DEFAULT_MODES
     assert modes["plugin_precapture"].settings == {"precapture": True}
     assert "plugin_precapture" not in serve.DEFAULT_MODES
+
+
+def test_summarize_keeps_each_requests_values_by_index():
+    recs = [
+        _rec(0, 0.0, 0.001, [0.051, 0.061, 0.071], 3),  # ttft 50 ms, tpot 10 ms, e2e 70 ms
+        _rec(1, 0.5, 0.502, [], 0, error="HTTP 500: boom"),
+        _rec(2, 1.0, 1.000, [1.020], 1),  # one token: no TPOT
+    ]
+    samples = summarize(recs, rate=2.0)["samples"]
+    assert samples["ttft_ms"] == [pytest.approx(50.0), None, pytest.approx(20.0)]
+    assert samples["tpot_ms"] == [pytest.approx(10.0), None, None]
+    assert samples["e2e_ms"] == [pytest.approx(70.0), None, pytest.approx(20.0)]
+    # by request index, not by position: a window's records may come in any order
+    assert summarize(recs[::-1], rate=2.0)["samples"] == samples
+
+
+def _sampled_row(mode, ttft, rate=16, workload="chat"):
+    """A row whose TTFT p50 / p99 and samples come from `ttft` (ms per request)."""
+    row = _row(mode, rate, 1.0, 1.0, 100.0, workload)
+    row["ttft_ms"] = {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90),
+                      "p99": percentile(ttft, 99), "mean": sum(ttft) / len(ttft)}
+    row["samples"] = {"ttft_ms": list(ttft)}
+    return row
+
+
+def test_ratio_intervals_hold_the_ratio_and_tell_a_real_gap_from_noise():
+    import random
+
+    rng = random.Random(5)
+    prompt = [rng.uniform(50, 150) for _ in range(200)]  # a request's own cost, in both modes
+    noise = lambda: [p * rng.uniform(0.9, 1.1) for p in prompt]  # noqa: E731
+    plugin, same, slower = noise(), noise(), [2 * p for p in noise()]
+    rows = [_sampled_row("plugin", plugin), _sampled_row("stock", slower),
+            _sampled_row("stock_triton", same)]
+    ratios, iv = serve_report.compute_ratios(rows), serve_report.ratio_intervals(rows)
+    for key in ("ttft_p50_stock_over_plugin/m/chat/r16", "ttft_p99_stock_over_plugin/m/chat/r16",
+                "ttft_p50_stock_triton_over_plugin/m/chat/r16"):
+        assert iv[key][0] <= ratios[key] <= iv[key][1], (key, ratios[key], iv[key])
+    assert iv["ttft_p50_stock_over_plugin/m/chat/r16"][0] > 1.8  # twice as slow: clear of 1
+    assert iv["ttft_p50_stock_triton_over_plugin/m/chat/r16"][0] < 1.0 < \
+        iv["ttft_p50_stock_triton_over_plugin/m/chat/r16"][1]  # the same cost: 1 inside
+    # a p99 of 200 requests moves more than their p50
+    width = lambda k: iv[k][1] - iv[k][0]  # noqa: E731
+    assert width("ttft_p99_stock_triton_over_plugin/m/chat/r16") > \
+        width("ttft_p50_stock_triton_over_plugin/m/chat/r16")
+    # only metrics with samples; never the throughput ratio
+    assert set(iv) == {k for k in ratios if k.startswith("ttft_")}
+    # seeded by the key: the same in any file holding the two rows
+    assert serve_report.ratio_intervals(rows[:2] + [_sampled_row("stock", slower, rate=4)]) == {
+        k: v for k, v in iv.items() if "_stock_over_" in k}
+
+
+def test_ratio_intervals_need_samples_of_enough_paired_requests():
+    few = serve_report.MIN_PAIRED - 1
+    rows = [_sampled_row("plugin", [10.0] * 20), _sampled_row("stock", [12.0] * 20)]
+    rows[1]["samples"]["ttft_ms"][few:] = [None] * (20 - few)  # failed in stock: not paired
+    assert serve_report.ratio_intervals(rows) == {}
+    rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0)]
+    assert serve_report.ratio_intervals(rows) == {}  # rows of a file written before samples
+    doc = serve_report.assemble("n", "m", {}, {}, {}, rows, [])
+    assert "ratio_intervals" not in doc and "[95% interval]" not in \
+        serve_report.format_table(doc)
+
+
+def test_a_result_file_carries_the_intervals_and_its_table_prints_them(tmp_path):
+    rows = [_sampled_row("plugin", [10.0 + i % 7 for i in range(40)]),
+            _sampled_row("stock", [20.0 + i % 5 for i in range(40)])]
+    doc = serve_report.assemble("n", "m", {}, {}, {"plugin": {}, "stock": {}}, rows, [])
+    key = "ttft_p50_stock_over_plugin/m/chat/r16"
+    lo, hi = doc["ratio_intervals"][key]
+    assert lo <= doc["ratios"][key] <= hi
+    line = next(ln for ln in serve_report.format_table(doc).splitlines() if key in ln)
+    assert line.endswith(f"[{lo:.2f}, {hi:.2f}]"), line
+    path = serve_report.write(doc, tmp_path)
+    merged = tmp_path / "merged"
+    assert serve_report.merge([str(path)], "again", merged) == 0
+    assert json.loads((merged / "again.json").read_text())["ratio_intervals"] == \
+        doc["ratio_intervals"]
 
 
 def test_fine_token_mode_halves_the_bucket_spacing_from_2048_tokens():

@@ -67,6 +67,18 @@ def test_each_kind_of_miss_is_listed_with_its_value_and_floor():
         "m long r4 (saturated): output tok/s 0.90x of stock's < 1.0x"], missed
 
 
+def test_a_miss_of_rows_with_samples_gives_its_interval():
+    rows = [_row("plugin", "long", 1, 100.0, 10.0, 100.0), _row("stock", "long", 1, 98.0, 10.0,
+                                                                100.0)]
+    for row, scale in zip(rows, (1.0, 0.98)):  # every request 2% faster in stock
+        row["samples"] = {"ttft_ms": [scale * (90.0 + i % 20) for i in range(40)]}
+    doc = _doc(rows)
+    lo, hi = doc["ratio_intervals"]["ttft_p50_stock_over_plugin/m/long/r1"]
+    assert lo <= 0.98 <= hi < 1.0
+    assert f"m long r1: ttft_p50 0.98x < 1.0x (95% interval {lo:.2f}-{hi:.2f}x)" in \
+        serve_targets.misses(doc)
+
+
 def test_a_workload_without_both_modes_is_a_miss_not_a_pass():
     missed = serve_targets.misses(_doc([_row("plugin", "chat", 4, 40.0, 2.0, 100.0),
                                         _row("stock_triton", "chat", 4, 60.0, 3.0, 100.0)]))
