@@ -41,6 +41,7 @@ if [ "${1:-}" = tier ]; then
     "$T::test_idle_capture_captures_while_idle_then_serves_without_capture" \
     "$T::test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager" \
     "$T::test_wide_batches_replay_and_match_kill_switch" \
+    "$T::test_sampling_features_through_graphs_match_kill_switch_eager" \
     + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
     "$T::test_idle_capture_recaptures_after_wake_up_through_vllm_serve" \

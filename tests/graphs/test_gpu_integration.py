@@ -153,6 +153,48 @@ if spec.get("redraw"):
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                         logprobs=1, detokenize=False)
 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+FEATURES = spec.get("sampling_features")
+if FEATURES:
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    # grammars compiled inside add_request, not on vLLM's thread pool: a request then waits for
+    # its grammar the same steps in every phase, so every phase schedules the same steps
+    llm.llm_engine.engine_core.engine_core.scheduler.structured_output_manager \
+        ._use_async_grammar_compilation = False
+    tokenizer = llm.get_tokenizer()
+
+
+def request_params(i, base):
+    # request i's sampling parameters: `base`, or entry i % len of spec["sampling_features"]
+    # (SamplingParams keywords over greedy, 1 logprob, ignore_eos; `structured_outputs` a dict)
+    if not FEATURES:
+        return base
+    # FINAL_ONLY: a request's one output holds all its completions (n > 1), as in generate()
+    kw = {"max_tokens": spec["max_tokens"], "temperature": 0.0, "ignore_eos": True,
+          "logprobs": 1, "detokenize": False, "output_kind": RequestOutputKind.FINAL_ONLY,
+          **FEATURES[i % len(FEATURES)]}
+    if "structured_outputs" in kw:
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+    if "logit_bias" in kw:  # token ids: JSON keys are strings
+        kw["logit_bias"] = {int(t): bias for t, bias in kw["logit_bias"].items()}
+    return SamplingParams(**kw)
+
+
+def detail(out):
+    # what a request's sampling produced: every completion's tokens, their logprobs and text,
+    # and the prompt logprobs (None where not asked for)
+    prompt = out.prompt_logprobs
+    return {"prompt_len": len(out.prompt_token_ids),
+            "completions": [{"tokens": list(c.token_ids),
+                             "logprobs": [pos[t].logprob for pos, t in zip(c.logprobs,
+                                                                           c.token_ids)],
+                             "text": tokenizer.decode(c.token_ids, skip_special_tokens=True)}
+                            for c in out.outputs],
+            "prompt_logprobs": None if prompt is None else [
+                None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+                for pos in prompt]}
+
+
 def swap_first_kv(model):
     # Rebind one attention layer's KV tensor behind the plugin's back (same contents, new
     # address): a graph captured before must never be replayed against the old one.
@@ -191,7 +233,7 @@ def staggered(prompts, step_params, every, toggle_kill=0):
             killed = not killed
             kill(killed)
         if sent < len(prompts) and step % every == 0:
-            engine.add_request(str(sent), prompts[sent], step_params)
+            engine.add_request(str(sent), prompts[sent], request_params(sent, step_params))
             sent += 1
         for out in engine.step():
             if out.finished:
@@ -223,7 +265,10 @@ for phase in spec["phases"]:
                          phase.get("toggle_kill_every", 0))
     else:
         outs = [o for i in range(0, len(prompts), b)
-                for o in llm.generate(prompts[i:i + b], step_params, use_tqdm=False)]
+                for o in llm.generate(prompts[i:i + b],
+                                      [request_params(j, step_params)
+                                       for j in range(i, min(i + b, len(prompts)))],
+                                      use_tqdm=False)]
     for out in outs:
         c = out.outputs[0]
         tokens.append(list(c.token_ids))
@@ -235,6 +280,8 @@ for phase in spec["phases"]:
     result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
                              "mean_top1_logprob": sum(top1) / len(top1),
                              "metrics": collect_text()})
+    if FEATURES:
+        result["phases"][-1]["detail"] = [detail(out) for out in outs]
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 plugin = getattr(runner, "moe_graphs", None)  # None: stock runner
 logits = plugin.logits if plugin is not None else None  # None: vLLM computes them
@@ -461,13 +508,15 @@ TINY_MIXED = {"max_positions": 1280, "scale": 0.2, "max_num_batched_tokens": 48,
 
 
 def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict | None = None,
+              max_tokens: int = 256, llm_extra: dict | None = None, env_extra=None,
               **spec_extra) -> dict:
-    """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, 256 greedy
-    tokens each, a 256-token step budget: first with graphs, then with the kill switch, each
-    phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
+    """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, `max_tokens`
+    greedy tokens each, a 256-token step budget: first with graphs, then with the kill switch,
+    each phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
     tiny real checkpoint with 1280 positions (`TINY_MIXED`): prompts scaled to 1/5 (the long
     ones 819-900 tokens), a 48-token step budget and 48 sequences so they still chunk, one
-    arrival every step."""
+    arrival every step. `llm_extra`: more engine arguments; with `sampling_features` in the
+    spec, the summary's `details` are each phase's per-request results."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
@@ -490,9 +539,12 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     phases = [{"batch": 64, "kill": k, "arrive_every": every, "reset_prefix_cache": True}
               for k in (False, True)]
     phases[0].update(graph_phase or {})
-    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=256, redraw=redraw,
-                        **spec_extra)
+    kwargs.update(llm_extra or {})
+    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=max_tokens,
+                        redraw=redraw, env_extra=env_extra, **spec_extra)
     summary = check_parity(result)
+    if spec_extra.get("sampling_features"):
+        summary["details"] = [ph["detail"] for ph in result["phases"]]
     summary["graph_keys"] = result["graph_keys"]
     summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
     g = result["phases"][0]
@@ -547,6 +599,96 @@ def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
     assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
     # both of its variants (every row real, padding rows) compiled by the start-up warm-up
     assert "_topk_softmax_kernel" not in summary["jit_in_requests"], summary["jit_in_requests"]
+
+
+# The sampling-features parity's per-request parameters (request i takes entry i % 7, over
+# greedy, one logprob and ignore_eos): what a `vllm serve` client may ask for, each reading the
+# logits that a replayed step hands to vLLM's sampler, or the history it keeps. Not
+# `allowed_token_ids`: in vLLM 0.26 its mask stays on the batch row a finished request leaves
+# (InputBatch.condense, vllm-project/vllm#43894), so a later request there samples under it.
+BANNED, STOP = 8, 9
+SAMPLING_FEATURES = [
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 11},
+    {"temperature": 1.0, "min_p": 0.05, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+     "frequency_penalty": 0.5, "seed": 12},  # penalties read every output token so far
+    {"logit_bias": {7: 3.0, BANNED: -100.0}, "logprobs": 3},
+    {"temperature": 0.7, "n": 2, "seed": 13},  # two children, seeds 13 and 14
+    {"prompt_logprobs": 2},  # logits of every prompt token, in the steps that prefill it
+    {"min_tokens": 16, "ignore_eos": False, "stop_token_ids": [STOP]},
+    {"structured_outputs": {"regex": "[ab]{4,24}"}, "ignore_eos": False, "temperature": 0.9,
+     "seed": 15},  # a grammar's bitmask applied to the logits
+]
+SAMPLING_REGEX = SAMPLING_FEATURES[-1]["structured_outputs"]["regex"]
+
+
+def run_sampling_features(tmp_path, name: str, features: list[dict] = SAMPLING_FEATURES,
+                          max_tokens: int = 256, llm_extra: dict | None = None,
+                          env_extra=None) -> dict:
+    """The tiny checkpoint's staggered mixed traffic (`run_mixed`) with `features`, graphs
+    then the kill switch; the tokenizer loaded (structured outputs need it)."""
+    return run_mixed(tmp_path, "tiny", name, {}, max_tokens=max_tokens,
+                     llm_extra={"skip_tokenizer_init": False, **(llm_extra or {})},
+                     env_extra=env_extra, sampling_features=features)
+
+
+def check_sampling_features(details: list[list[dict]],
+                            features: list[dict] = SAMPLING_FEATURES) -> dict:
+    """Each feature did what it asks in every phase (so a comparison of phases is not vacuous),
+    and every phase's per-request results (tokens, their logprobs, prompt logprobs) equal the
+    first phase's exactly. Returns the counts checked."""
+    import re as regex
+
+    first, n = details[0], len(features)
+    counts = {"requests": len(first), "phases": len(details), "identical": 0}
+    for phase in details:
+        for i, req in enumerate(phase):
+            feature, outs = features[i % n], req["completions"]
+            tokens = [t for c in outs for t in c["tokens"]]
+            assert len(outs) == feature.get("n", 1), (i, req)
+            if "n" in feature:  # the two children sample with their own seeds
+                assert outs[0]["tokens"] != outs[1]["tokens"], (i, outs)
+            if "logit_bias" in feature:
+                assert BANNED not in tokens, (i, tokens)
+            if "min_tokens" in feature:
+                assert len(tokens) >= feature["min_tokens"], (i, tokens)
+                assert STOP not in tokens[:feature["min_tokens"]], (i, tokens)
+            if "structured_outputs" in feature:
+                assert regex.fullmatch(SAMPLING_REGEX, outs[0]["text"]), (i, outs[0])
+            if "prompt_logprobs" in feature:
+                lps = req["prompt_logprobs"]
+                assert len(lps) == req["prompt_len"] and lps[0] is None, (i, req["prompt_len"])
+                assert all(len(pos) >= 2 for pos in lps[1:]), i
+            else:
+                assert req["prompt_logprobs"] is None, i
+    for phase in details[1:]:
+        same = [a == b for a, b in zip(first, phase, strict=True)]
+        assert all(same), [i for i, ok in enumerate(same) if not ok]
+        counts["identical"] += sum(same)
+    return counts
+
+
+def test_sampling_features_through_graphs_match_kill_switch_eager(tmp_path):
+    """What clients of `vllm serve` ask of sampling, through steps replayed from graphs: seeded
+    random sampling (top-p/top-k, min-p), penalties, logit bias, min tokens with a stop token, two completions of one prompt, prompt logprobs in the steps that prefill
+    (graphed, mixed), a structured output's grammar. The tiny checkpoint's staggered mixed
+    traffic, graphs then the kill switch (steps at the same padded sizes, so the logits are the
+    same bits): every request's tokens, logprobs and prompt logprobs identical, each feature
+    visible in them (`check_sampling_features`; its premise, that two phases of this traffic
+    schedule and sample alike, is checked on vLLM's CPU build by
+    tests/graphs/test_mixed_workload_schedule.py)."""
+    summary = run_sampling_features(tmp_path, "sampling-features")
+    counts = check_sampling_features(summary.pop("details"))
+    summary["sampling_features"] = counts
+    report("parity-sampling-features", summary)
+    assert summary["mode_graphs"] == 1, summary["log_lines"]
+    (row,) = summary["rows"]
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert row["kill_switch_fallbacks"] > 0, row
+    replays = summary["replays_by_kind"]
+    assert replays["mixed"] > 0 and replays["decode"] > 0, replays
+    # decode steps handed their in-graph logits to the sampler these features act on
+    assert summary["graph_logits_handed_over"] > 0, summary
+    assert counts["identical"] == counts["requests"], counts
 
 
 def test_wide_batches_replay_and_match_kill_switch(tmp_path):

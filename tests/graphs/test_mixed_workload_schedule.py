@@ -4,7 +4,10 @@ prompts, arrivals, step budget and 16-token KV blocks as on the GPU, schedules t
   asserts of its run. A step counts as carrying prefill tokens when some request in it has
   more than one query token (the plugin's step kinds, graphs/kinds.py);
 - in the Qwen3-0.6B traffic of the mixed-faults test the first key to reach its capture under
-  `MIXED_FAULTS_PLUGIN` is one with prefill tokens, the capture that test makes fail."""
+  `MIXED_FAULTS_PLUGIN` is one with prefill tokens, the capture that test makes fail;
+- the sampling-features parity's harness, run as the GPU test runs it: two phases of its
+  traffic schedule and sample alike (so a difference on the GPU is the graphs'), and each
+  feature shows in the outputs (so their equality is not vacuous)."""
 
 from __future__ import annotations
 
@@ -149,3 +152,26 @@ def test_mixed_faults_traffic_captures_a_key_with_prefill_tokens_first(cpu_vllm,
     assert result["first_capture"] is not None, result
     kind, (_, _, requests), _ = result["first_capture"]
     assert kind == "prefill tokens" and requests > 0, result
+
+
+def test_sampling_features_schedule_and_sample_alike_in_two_phases(cpu_vllm, tmp_path,
+                                                                   monkeypatch):
+    from tests.graphs.test_gpu_integration import (SAMPLING_FEATURES, check_sampling_features,
+                                                   run_sampling_features)
+
+    # Two departures from the GPU run, both for vLLM's CPU build: its sampler honours the
+    # per-request seeds only when every row of the batch has one (else it samples every row
+    # from the global generator), so the greedy entries sample at a low temperature with a
+    # seed; and it cannot rewind a seeded generator after sampling a partial prefill chunk,
+    # which it discards ("CPU Generator does not use offset"), so no prompt is chunked. On the
+    # GPU vLLM does both, so the GPU test keeps greedy rows and chunked steps.
+    features = [{"seed": 100 + i, **f, "temperature": f.get("temperature") or 0.05}
+                for i, f in enumerate(SAMPLING_FEATURES)]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # vLLM runs stock here
+    summary = run_sampling_features(
+        tmp_path, "sampling-features-cpu", features, max_tokens=48,
+        llm_extra={"enforce_eager": True, "dtype": "float32", "block_size": 16,
+                   "enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
+        env_extra={"PYTHONPATH": cpu_vllm, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": ""})
+    counts = check_sampling_features(summary["details"], features)
+    assert counts == {"requests": 64, "phases": 2, "identical": 64}, counts
