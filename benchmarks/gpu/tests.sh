@@ -32,7 +32,7 @@ if [ "${1:-}" = tier ]; then
   # the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU)
   T=tests/graphs/test_gpu_integration.py
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
-    tests/integration tests/attention \
+    tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
     + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
@@ -41,7 +41,6 @@ if [ "${1:-}" = tier ]; then
     "$T::test_idle_capture_captures_while_idle_then_serves_without_capture" \
     "$T::test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager" \
     "$T::test_wide_batches_replay_and_match_kill_switch" \
-    "$T::test_sampling_features_through_graphs_match_kill_switch_eager" \
     + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
     "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
     "$T::test_idle_capture_recaptures_after_wake_up_through_vllm_serve" \

@@ -19,7 +19,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.graphs.test_gpu_integration import TINY_MIXED, mixed_prompts
+from tests.graphs.engine_harness import TINY_MIXED, mixed_prompts
 from tests.tiny_models import build_checkpoint
 
 w = TINY_MIXED
@@ -70,7 +70,8 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.graphs.test_gpu_integration import MIXED_FAULTS_PLUGIN, mixed_prompts
+from tests.graphs.engine_harness import mixed_prompts
+from tests.graphs.test_gpu_integration import MIXED_FAULTS_PLUGIN
 from tests.tiny_models import build_checkpoint
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs.buckets import graph_config
@@ -156,8 +157,8 @@ def test_mixed_faults_traffic_captures_a_key_with_prefill_tokens_first(cpu_vllm,
 
 def test_sampling_features_schedule_and_sample_alike_in_two_phases(cpu_vllm, tmp_path,
                                                                    monkeypatch):
-    from tests.graphs.test_gpu_integration import (SAMPLING_FEATURES, check_sampling_features,
-                                                   run_sampling_features)
+    from tests.graphs.test_gpu_sampling import (SAMPLING_FEATURES, check_sampling_features,
+                                               run_sampling_features)
 
     # Two departures from the GPU run, both for vLLM's CPU build: its sampler honours the
     # per-request seeds only when every row of the batch has one (else it samples every row

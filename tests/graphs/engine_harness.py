@@ -1,0 +1,481 @@
+"""The engine harness of the GPU end-to-end tests: one `vllm.LLM` per run, in its own interpreter.
+
+`run_engine` starts the engine script (`_ENGINE`, the plugin loaded through its entry point, so
+it takes graphs over exactly as for an operator) on a JSON spec: engine arguments, prompts and a
+list of phases (a batch size or staggered arrivals, the kill file on or off, sleep/wake, a KV
+swap, sampling parameters), and returns every phase's tokens and /metrics text. Parity is
+measured *within one engine*: the same prompts with graphs, then with the kill file present
+(every step eager at the key's padded size, graphs kept), and the tokens must be identical
+(`check_parity`). `run_mixed` is the staggered traffic whose steps mostly carry prefill tokens.
+
+Dummy weights are re-drawn after load (norm gains 1, matrices N(0, 1/fan_in); see
+tests/attention/test_gpu_backend_e2e.py for why vLLM's dummy weights make flat logits, which
+would make any comparison vacuous); the report checks the logits are not flat.
+Set MOE_GRAPHS_TEST_OUT=/dir to get one JSON summary per test there (`report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, shape_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NUM_LAYERS = 4
+NUM_PROMPTS, MAX_TOKENS = 64, 256
+PARITY_BATCHES = (1, 8, 32, 64)
+ENGINE_TIMEOUT_S = engine_timeout_s(420)
+WARMED_KERNELS = {"_paged_prefill_kernel", "_paged_decode_kernel", "_decode_reduce_kernel",
+                  "_write_kv_kernel", "_small_m_gemm_kernel", "_small_m_reduce_kernel",
+                  "_compute_slot_mapping_kernel",
+                  "fused_moe_kernel"}
+
+
+# With MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE=1 in its environment, a process fails the first
+# capture of a key with prefill tokens: a host sync inside the region invalidates it, as
+# `fail_capture_bucket` does by row count. Run by the test engine below, and by every Python
+# process of a test server as its sitecustomize.
+FAIL_FIRST_MIXED_CAPTURE = r"""
+import os
+
+if os.environ.get("MOE_GRAPHS_TEST_FAIL_MIXED_CAPTURE") == "1":
+    import torch
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+
+    _real_capture, _failed = DecodeGraphRunner._capture, []
+
+    def _failing_capture(self, key, forward, *args, **kwargs):
+        if key.decode or _failed:
+            return _real_capture(self, key, forward, *args, **kwargs)
+        _failed.append(key)
+
+        def syncing(batch):
+            y = forward(batch)
+            torch.cuda.synchronize()
+            return y
+
+        return _real_capture(self, key, syncing, *args, **kwargs)
+
+    DecodeGraphRunner._capture = _failing_capture
+"""
+
+# Runs in a fresh interpreter: argv[1] is a JSON spec file; the result goes to spec["out"].
+_ENGINE = FAIL_FIRST_MIXED_CAPTURE + r"""
+import json, os, sys, time
+spec = json.load(open(sys.argv[1]))
+import torch
+
+if spec.get("fail_capture_bucket"):
+    import vllm_moe_graphs.graphs.runner as runner_mod
+    real_capture = runner_mod.cuda_capture
+
+    def failing_capture(fn, pool, before_capture, **kwargs):
+        out = fn()  # a forward outside the capture; rows = the bucket being captured
+        if out.shape[0] != spec["fail_capture_bucket"]:
+            return real_capture(fn, pool, before_capture, **kwargs)
+
+        def syncing():  # a host sync inside the region: CUDA invalidates the capture
+            y = fn()
+            torch.cuda.synchronize()
+            return y
+
+        return real_capture(syncing, pool, before_capture, **kwargs)
+
+    runner_mod.cuda_capture = failing_capture
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_moe_graphs.metrics_transport import collect_text
+from tests.gpu_util import redraw_weights
+
+
+def kill(on):
+    path = os.environ["MOE_GRAPHS_KILL_FILE"]
+    if on:
+        open(path, "w").close()
+    elif os.path.exists(path):
+        os.remove(path)
+    time.sleep(0.3)  # the switch is re-read at most every 100 ms
+
+
+kwargs = spec["llm_kwargs"]
+if "cpu_offload_params" in kwargs:  # a set in EngineArgs; JSON carries a list
+    kwargs = {**kwargs, "cpu_offload_params": set(kwargs["cpu_offload_params"])}
+t0 = time.perf_counter()
+llm = LLM(**kwargs)
+result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": [],
+          "startup_metrics": collect_text()}
+cfg = llm.llm_engine.vllm_config
+result["config"] = {"worker_cls": cfg.parallel_config.worker_cls,
+                    "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+                    "compilation_mode": str(cfg.compilation_config.mode),
+                    "attention_backend": str(cfg.attention_config.backend)}
+from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
+# the offload mode the plugin's capability check saw ("none", "uva", ...)
+result["config"]["offload"] = facts_from_vllm_config(
+    cfg, PluginConfig.from_additional_config(cfg.additional_config)).offload
+
+
+def uva_offloaded(model):
+    # parameters vLLM's UVA offloader moved to pinned host memory (device views of it)
+    params = [(n, p) for n, p in model.named_parameters()
+              if getattr(p, "_vllm_is_uva_offloaded", False)]
+    return {"params": len(params), "bytes": sum(p.numel() * p.element_size() for _, p in params),
+            "names": sorted({n.split(".")[-1] for n, _ in params})}
+
+
+result["uva_offloaded"] = llm.apply_model(uva_offloaded)[0]
+if spec.get("redraw"):
+    llm.apply_model(redraw_weights)
+params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
+                        logprobs=1, detokenize=False)
+prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+FEATURES = spec.get("sampling_features")
+if FEATURES:
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    # grammars compiled inside add_request, not on vLLM's thread pool: a request then waits for
+    # its grammar the same steps in every phase, so every phase schedules the same steps
+    llm.llm_engine.engine_core.engine_core.scheduler.structured_output_manager \
+        ._use_async_grammar_compilation = False
+    tokenizer = llm.get_tokenizer()
+
+
+def request_params(i, base):
+    # request i's sampling parameters: `base`, or entry i % len of spec["sampling_features"]
+    # (SamplingParams keywords over greedy, 1 logprob, ignore_eos; `structured_outputs` a dict)
+    if not FEATURES:
+        return base
+    # FINAL_ONLY: a request's one output holds all its completions (n > 1), as in generate()
+    kw = {"max_tokens": spec["max_tokens"], "temperature": 0.0, "ignore_eos": True,
+          "logprobs": 1, "detokenize": False, "output_kind": RequestOutputKind.FINAL_ONLY,
+          **FEATURES[i % len(FEATURES)]}
+    if "structured_outputs" in kw:
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+    if "logit_bias" in kw:  # token ids: JSON keys are strings
+        kw["logit_bias"] = {int(t): bias for t, bias in kw["logit_bias"].items()}
+    return SamplingParams(**kw)
+
+
+def detail(out):
+    # what a request's sampling produced: every completion's tokens, their logprobs and text,
+    # and the prompt logprobs (None where not asked for)
+    prompt = out.prompt_logprobs
+    return {"prompt_len": len(out.prompt_token_ids),
+            "completions": [{"tokens": list(c.token_ids),
+                             "logprobs": [pos[t].logprob for pos, t in zip(c.logprobs,
+                                                                           c.token_ids)],
+                             "text": tokenizer.decode(c.token_ids, skip_special_tokens=True)}
+                            for c in out.outputs],
+            "prompt_logprobs": None if prompt is None else [
+                None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+                for pos in prompt]}
+
+
+def swap_first_kv(model):
+    # Rebind one attention layer's KV tensor behind the plugin's back (same contents, new
+    # address): a graph captured before must never be replayed against the old one.
+    for m in model.modules():
+        if hasattr(m, "impl") and isinstance(getattr(m, "kv_cache", None), torch.Tensor):
+            old = m.kv_cache
+            m.kv_cache = old.clone()
+            return [old.data_ptr(), m.kv_cache.data_ptr()]
+    return None
+
+
+def metadata_copies():
+    # Back to the builders' own buffers (per-step copies) instead of reading vLLM's in place,
+    # and to vLLM's _prepare_inputs instead of the plugin's DecodeInputs.
+    from vllm_moe_graphs.integration.attention.metadata import MoeGraphsMetadataBuilder
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    builders = [g.get_metadata_builder() for groups in runner.attn_groups for g in groups]
+    reset = [b for b in builders
+             if isinstance(b, MoeGraphsMetadataBuilder) and b._in_place is not None]
+    for b in reset:
+        b._in_place = None
+    fast_steps = runner.moe_graphs.inputs.steps if runner.moe_graphs.inputs is not None else 0
+    runner.moe_graphs.inputs = None
+    return {"in_place_builders_reset": len(reset), "fast_input_steps_before": fast_steps}
+
+
+def staggered(prompts, step_params, every, toggle_kill=0):
+    # One request arrives every `every` engine steps (a schedule in steps, not seconds, so
+    # every phase sees the same steps), the engine stepping in between: prefill chunks of
+    # new arrivals share steps with earlier requests' decode rows. `toggle_kill`: the kill
+    # file is created or removed every that many steps. Outputs in prompt order.
+    engine, done, step, sent, killed = llm.llm_engine, {}, 0, 0, False
+    while sent < len(prompts) or engine.has_unfinished_requests():
+        if toggle_kill and step and step % toggle_kill == 0:
+            killed = not killed
+            kill(killed)
+        if sent < len(prompts) and step % every == 0:
+            engine.add_request(str(sent), prompts[sent], request_params(sent, step_params))
+            sent += 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.split("-")[0])] = out  # vLLM may suffix the id
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+for phase in spec["phases"]:
+    if phase.get("metadata_copies"):
+        phase = {**phase, **metadata_copies()}
+    if phase.get("sleep"):
+        llm.sleep(level=1)
+        llm.wake_up()
+    if phase.get("swap_kv"):
+        phase = {**phase, "swapped_ptrs": llm.apply_model(swap_first_kv)[0]}
+    kill(phase["kill"])
+    b = phase["batch"]
+    t1 = time.perf_counter()
+    tokens, top1 = [], []
+    # "temperature": random sampling from vLLM's default CUDA generator (not comparable)
+    step_params = params if "temperature" not in phase else SamplingParams(
+        max_tokens=spec["max_tokens"], temperature=phase["temperature"], ignore_eos=True,
+        logprobs=1, detokenize=False)
+    if phase.get("reset_prefix_cache"):
+        assert llm.reset_prefix_cache(), "prefix cache not reset"
+    if phase.get("arrive_every"):
+        outs = staggered(prompts, step_params, phase["arrive_every"],
+                         phase.get("toggle_kill_every", 0))
+    else:
+        outs = [o for i in range(0, len(prompts), b)
+                for o in llm.generate(prompts[i:i + b],
+                                      [request_params(j, step_params)
+                                       for j in range(i, min(i + b, len(prompts)))],
+                                      use_tqdm=False)]
+    for out in outs:
+        c = out.outputs[0]
+        tokens.append(list(c.token_ids))
+        top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
+    kill(False)
+    seconds = round(time.perf_counter() - t1, 2)
+    print("ENGINE_PHASE", json.dumps({k: v for k, v in phase.items() if k != "tokens"}),
+          f"{seconds} s", flush=True)
+    result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
+                             "mean_top1_logprob": sum(top1) / len(top1),
+                             "metrics": collect_text()})
+    if FEATURES:
+        result["phases"][-1]["detail"] = [detail(out) for out in outs]
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+plugin = getattr(runner, "moe_graphs", None)  # None: stock runner
+logits = plugin.logits if plugin is not None else None  # None: vLLM computes them
+graphs = plugin.graphs if plugin is not None else None
+result["graph_keys"] = [[k.batch_bucket, k.context_bucket, k.request_bucket]
+                        for k in graphs.keys] if graphs is not None else []
+result["graph_logits_handed_over"] = logits.handed_over if logits is not None else 0
+result["lean_replay"] = bool(plugin is not None and plugin.lean_replay)
+with open(spec["out"], "w") as f:
+    json.dump(result, f)
+print("ENGINE_DONE", result["config"], flush=True)
+"""
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (exposition text)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if not m:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def cut_shape_dir(tmp_path, shape: str) -> tuple[str, int]:
+    return shape_dir(tmp_path, shape, NUM_LAYERS)
+
+
+def parity_prompts(vocab_size: int, n: int = NUM_PROMPTS) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, vocab_size - 10) for _ in range(8 + (i * 13) % 57)]
+            for i in range(n)]
+
+
+def engine_kwargs(model: str, **extra) -> dict:
+    return {"model": model, "skip_tokenizer_init": True, "dtype": "bfloat16", "seed": 0,
+            "max_model_len": 512, "max_num_seqs": 64, "enable_prefix_caching": False,
+            **engine_memory_kwargs(0.5), **extra}
+
+
+def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw=True,
+               max_tokens=MAX_TOKENS, env_extra=None, **spec_extra) -> dict:
+    out = tmp_path / f"{name}.json"
+    spec = {"llm_kwargs": llm_kwargs, "prompts": prompts, "phases": phases, "redraw": redraw,
+            "max_tokens": max_tokens, "out": str(out), **spec_extra}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+    # engine in this interpreter: the capture-failure injection patches it, sleep/wake is local
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    log = tmp_path / f"{name}.log"
+    # NOTE: streamed to the file (not captured): a run cut short by a time guard leaves its log,
+    # with one ENGINE_PHASE line per finished phase, for benchmarks/gpu/tests.sh to collect.
+    with open(log, "w") as f:
+        spec_file = tmp_path / f"{name}.spec.json"  # a file: long prompts exceed argv's limit
+        spec_file.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(spec_file)], env=env,
+                              stdout=f, stderr=subprocess.STDOUT, text=True,
+                              timeout=ENGINE_TIMEOUT_S)
+    text = log.read_text()
+    assert proc.returncode == 0 and out.exists(), (
+        f"{name} engine failed (exit {proc.returncode}):\n{text[-8000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["log_lines"] = [ln for ln in text.splitlines() if "moe_graphs" in ln][:60]
+    # vLLM's JIT monitor: a Triton kernel compiled while requests ran (after ready)
+    result["jit_in_requests"] = re.findall(r"JIT compilation during inference: (\w+)", text)
+    return result
+
+
+def report(name: str, data: dict) -> None:
+    print(json.dumps(data, indent=1, sort_keys=True, default=str)[:20000])
+    if (d := os.environ.get("MOE_GRAPHS_TEST_OUT")):
+        with open(os.path.join(d, f"{name}.json"), "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
+
+
+def delta(phases: list[dict], i: int, name: str, **labels) -> float:
+    before = metric(phases[i - 1]["metrics"], name, **labels) if i else 0.0
+    return metric(phases[i]["metrics"], name, **labels) - before
+
+
+def parity_phases(batches=PARITY_BATCHES) -> list[dict]:
+    return [{"batch": b, "kill": k} for b in batches for k in (False, True)]
+
+
+def check_parity(result: dict) -> dict:
+    """Graph phase i*2 vs kill phase i*2+1: identical tokens; replays in the first, kill-switch
+    fallbacks (and no replay) in the second. An unpaired last phase is left to the caller."""
+    phases, rows = result["phases"], []
+    for i in range(0, len(phases) - 1, 2):
+        g, k = phases[i], phases[i + 1]
+        same = sum(a == b for a, b in zip(g["tokens"], k["tokens"], strict=True))
+        rows.append({
+            "batch": g["batch"], "identical_sequences": same, "sequences": len(g["tokens"]),
+            "tokens_per_sequence": len(g["tokens"][0]),
+            "graph_s": g["seconds"], "eager_s": k["seconds"],
+            "replays": delta(phases, i, "moe_graphs_replays_total"),
+            "replays_while_killed": delta(phases, i + 1, "moe_graphs_replays_total"),
+            "kill_switch_fallbacks": delta(phases, i + 1, "moe_graphs_eager_fallbacks_total",
+                                            reason="kill_switch"),
+            "mean_top1_logprob": round(g["mean_top1_logprob"], 3),
+        })
+    return {"rows": rows, "config": result["config"], "startup_s": result["startup_s"],
+            "mode_graphs": metric(phases[-1]["metrics"], "moe_graphs_info", mode="graphs"),
+            "captures": metric(phases[-1]["metrics"], "moe_graphs_captures_total"),
+            "step_captures": metric(phases[-1]["metrics"], "moe_graphs_step_captures_total"),
+            "pool_bytes": metric(phases[-1]["metrics"], "moe_graphs_pool_bytes"),
+            "scratch_bytes": metric(phases[-1]["metrics"], "moe_graphs_scratch_bytes"),
+            "graph_logits_handed_over": result.get("graph_logits_handed_over"),
+            "lean_replay": result.get("lean_replay"),
+            "jit_in_requests": result.get("jit_in_requests", []),
+            "log_lines": result["log_lines"]}
+
+
+def assert_parity(summary: dict) -> None:
+    assert summary["mode_graphs"] == 1, summary["log_lines"]
+    assert "MoeGraphsWorker" in summary["config"]["worker_cls"], summary["config"]
+    # the default host shortcuts were live: decode steps took their logits from the graph's
+    # LM head (logits_in_graph) and replays skipped the attention metadata
+    assert summary["graph_logits_handed_over"] > 0 and summary["lean_replay"], summary
+    # the start-up warm-up compiled every kernel it is there for: ours, the V1 runner's slot
+    # mapping, vLLM's fused MoE (other vLLM kernels are reported, not asserted)
+    late = [k for k in summary["jit_in_requests"] if k in WARMED_KERNELS]
+    assert not late, f"compiled while serving, after the warm-up: {late}"
+    for row in summary["rows"]:
+        assert row["identical_sequences"] == row["sequences"], row
+        assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+        assert row["kill_switch_fallbacks"] > 0, row
+        assert row["mean_top1_logprob"] > -10.5, f"flat logits: comparison vacuous ({row})"
+
+
+def mixed_prompts(vocab: int, scale: float = 1.0) -> list[list[int]]:
+    """64 prompts: 56 of 64-1000 tokens, each behind one of four shared prefixes of 48-160
+    tokens (prefix-cache hits), and 8 of 4096-4500 tokens (chunked prefill over many steps),
+    shuffled; every length times `scale` (a model with a short context), a prefix at least one
+    16-token KV block long."""
+    rng = random.Random(1)
+    tok = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]  # noqa: E731
+    prefixes = [tok(max(16, int(rng.randrange(48, 160) * scale))) for _ in range(4)]
+    prompts = [prefixes[i % 4] + tok(int(rng.randrange(16, 840) * scale)) for i in range(56)]
+    prompts += [tok(int(rng.randrange(4096, 4500) * scale)) for _ in range(8)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+# The tiny checkpoint's staggered mixed workload (`run_mixed`): sized so that most of its steps
+# carry prefill tokens with 16-token KV blocks (checked on the CPU build by
+# tests/graphs/test_mixed_workload_schedule.py).
+TINY_MIXED = {"max_positions": 1280, "scale": 0.2, "max_num_batched_tokens": 48,
+              "max_num_seqs": 48, "arrive_every": 1}
+
+
+def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict | None = None,
+              max_tokens: int = 256, llm_extra: dict | None = None, env_extra=None,
+              **spec_extra) -> dict:
+    """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, `max_tokens`
+    greedy tokens each, a 256-token step budget: first with graphs, then with the kill switch,
+    each phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
+    tiny real checkpoint with 1280 positions (`TINY_MIXED`): prompts scaled to 1/5 (the long
+    ones 819-900 tokens), a 48-token step budget and 48 sequences so they still chunk, one
+    arrival every step. `llm_extra`: more engine arguments; with `sampling_features` in the
+    spec, the summary's `details` are each phase's per-request results."""
+    cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
+           "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
+    if shape == "tiny":
+        from tests.tiny_models import build_checkpoint
+
+        w = TINY_MIXED
+        model = build_checkpoint(str(tmp_path / "tiny-qwen3"), head_dim=64,
+                                 max_positions=w["max_positions"])
+        vocab = json.loads((tmp_path / "tiny-qwen3" / "config.json").read_text())["vocab_size"]
+        kwargs = engine_kwargs(model, max_model_len=w["max_positions"],
+                             max_num_batched_tokens=w["max_num_batched_tokens"],
+                             max_num_seqs=w["max_num_seqs"], **cfg)
+        prompts, redraw = mixed_prompts(vocab, scale=w["scale"]), False
+        every = w["arrive_every"]
+    else:
+        model, vocab = cut_shape_dir(tmp_path, shape)
+        kwargs = engine_kwargs(model, load_format="dummy", max_model_len=4864,
+                             max_num_batched_tokens=256, **cfg)
+        prompts, redraw, every = mixed_prompts(vocab), True, 4
+    phases = [{"batch": 64, "kill": k, "arrive_every": every, "reset_prefix_cache": True}
+              for k in (False, True)]
+    phases[0].update(graph_phase or {})
+    kwargs.update(llm_extra or {})
+    result = run_engine(tmp_path, name, kwargs, prompts, phases, max_tokens=max_tokens,
+                        redraw=redraw, env_extra=env_extra, **spec_extra)
+    summary = check_parity(result)
+    if spec_extra.get("sampling_features"):
+        summary["details"] = [ph["detail"] for ph in result["phases"]]
+    summary["graph_keys"] = result["graph_keys"]
+    summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
+    g = result["phases"][0]
+    summary["replays_by_kind"] = {
+        kind: metric(g["metrics"], "moe_graphs_replays_total", kind=kind)
+        for kind in ("decode", "mixed", "prefill")}
+    # the kill phase runs every step eager under the kill switch: its steps by kind
+    summary["steps_by_kind"] = {
+        kind: delta(result["phases"], 1, "moe_graphs_eager_fallbacks_total", kind=kind)
+        for kind in ("decode", "mixed", "prefill")}
+    for reason in ("mixed_batch", "step_too_large", "cascade_attention", "kill_switch",
+                   "capture_failed", "memory_budget"):
+        summary[f"{reason}_fallbacks"] = metric(g["metrics"], "moe_graphs_eager_fallbacks_total",
+                                                reason=reason)
+    summary["capture_failures"] = metric(g["metrics"], "moe_graphs_capture_failures_total")
+    summary["startup_captures"] = metric(result["startup_metrics"], "moe_graphs_captures_total")
+    return summary
