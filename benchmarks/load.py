@@ -49,6 +49,8 @@ class Workload:
     output_len: tuple[int, int]  # inclusive range, uniform
     description: str
     server: str = "default"  # the server it needs: "default" or "moe_offload"
+    # sampling parameters of every request over greedy (temperature 0), as (name, value) pairs
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -56,6 +58,13 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("chat", (128, 1024), (128, 256),
                  "prompts of 128-1024 tokens, 128-256 output tokens"),
+        # NOTE: Qwen3's model card advises these for chat without thinking; a real checkpoint's
+        # generation_config.json makes `vllm serve` apply them to requests that set none. vLLM's
+        # sampler then sorts every row's logits for top-p/top-k, outside any graph.
+        Workload("chat_sampled", (128, 1024), (128, 256),
+                 "chat prompts and lengths, sampled as Qwen3's model card advises for chat "
+                 "(temperature 0.7, top-p 0.8, top-k 20)",
+                 sampling=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20))),
         Workload("long", (4096, 8192), (128, 128),
                  "prompts of 4096-8192 tokens (chunked prefill splits them over several steps), "
                  "128 output tokens"),
@@ -76,6 +85,7 @@ class Request:
     at_s: float  # scheduled send time, seconds after the window's start
     prompt: tuple[int, ...]  # token ids
     max_tokens: int
+    sampling: tuple[tuple[str, float], ...] = ()  # its workload's, over greedy
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,7 +137,7 @@ def plan_window(workload: Workload, rate: float, duration_s: float, min_requests
     for i in range(n):
         t += rng.expovariate(rate)
         prompt = tuple(rng.choices(ids, k=rng.randint(*workload.prompt_len)))
-        out.append(Request(i, t, prompt, rng.randint(*workload.output_len)))
+        out.append(Request(i, t, prompt, rng.randint(*workload.output_len), workload.sampling))
     return out
 
 
@@ -136,6 +146,7 @@ def _body(model: str, req: Request) -> bytes:
         "model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
         "min_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **dict(req.sampling),
     }).encode()
 
 

@@ -16,6 +16,7 @@ Results: <results-dir>/<name>.json (env, per-mode server facts, rows, ratios, sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import shutil
@@ -41,10 +42,13 @@ from vllm_moe_graphs.config import PluginConfig
 EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 RESERVE_S = 20.0  # kept back from --time-budget-s for writing the results
 DEFAULT_RATES: dict[str, dict[str, list[float]]] = {  # req/s, up to where each shape saturates
-    "qwen3-0.6b": {"chat": [4, 16, 32, 64, 96], "long": [2, 4, 8, 16]},
-    "qwen3-8b": {"chat": [2, 4, 8, 16], "long": [0.5, 1, 2, 4]},
-    "qwen3-30b-a3b": {"chat": [4, 8, 16, 32, 48], "long": [1, 2, 4, 6],
-                      "moe_offload": [0.25, 0.5]},
+    model: {**rates, "chat_sampled": rates["chat"]}  # chat's arrivals, sampled
+    for model, rates in {
+        "qwen3-0.6b": {"chat": [4, 16, 32, 64, 96], "long": [2, 4, 8, 16]},
+        "qwen3-8b": {"chat": [2, 4, 8, 16], "long": [0.5, 1, 2, 4]},
+        "qwen3-30b-a3b": {"chat": [4, 8, 16, 32, 48], "long": [1, 2, 4, 6],
+                          "moe_offload": [0.25, 0.5]},
+    }.items()
 }
 
 
@@ -232,7 +236,8 @@ class Plan:
                 raise ValueError(f"no rates for workload {w.name!r} of {self.model}: pass "
                                  f"--rates {w.name}:R1,R2,...")
             if w.name in lengths:
-                w = Workload(w.name, *lengths[w.name], w.description, w.server)
+                w = dataclasses.replace(w, prompt_len=lengths[w.name][0],
+                                        output_len=lengths[w.name][1])
             self.workloads.append((w, rates[w.name]))
         self.name = args.name or f"serve-{self.model}"
         self.plugin_config: dict[str, Any] = args.plugin_config

@@ -236,7 +236,8 @@ def render(doc: Mapping[str, Any], path: Path) -> Path | None:
 
 def workloads_section(plan_workloads: Iterable[tuple[Workload, list[float]]]) -> dict:
     return {w.name: {"prompt_len": list(w.prompt_len), "output_len": list(w.output_len),
-                     "description": w.description, "rates": rates}
+                     "description": w.description, "rates": rates,
+                     **({"sampling": dict(w.sampling)} if w.sampling else {})}
             for w, rates in plan_workloads}
 
 

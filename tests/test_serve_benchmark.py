@@ -56,6 +56,28 @@ def test_window_lengths_ids_and_arrivals():
     assert all(96 <= t < 384 for r in tiny for t in r.prompt)
 
 
+def test_sampled_workload_sends_its_sampling_and_keeps_it_with_other_lengths(tmp_path):
+    from benchmarks.load import _body
+
+    sampled = plan_window(WORKLOADS["chat_sampled"], 4, 2, 1, seed=0, vocab_size=151936)
+    chat = plan_window(WORKLOADS["chat"], 4, 2, 1, seed=0, vocab_size=151936)
+    assert [r.prompt for r in sampled] != [r.prompt for r in chat]  # seeded by workload name
+    body = json.loads(_body("m", sampled[0]))
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.8, 20)
+    assert body["ignore_eos"] and body["min_tokens"] == body["max_tokens"]  # lengths fixed
+    assert json.loads(_body("m", chat[0]))["temperature"] == 0.0
+    assert "top_k" not in json.loads(_body("m", chat[0]))
+    plan = serve.Plan(serve.parser().parse_args([
+        "--model", "qwen3-0.6b", "--workloads", "chat_sampled", "--lengths",
+        "chat_sampled:16-48:4-6", "--log-dir", str(tmp_path)]))
+    (w, rates), = plan.workloads
+    assert (w.prompt_len, w.output_len, w.sampling) == ((16, 48), (4, 6),
+                                                        WORKLOADS["chat_sampled"].sampling)
+    assert rates == serve.DEFAULT_RATES["qwen3-0.6b"]["chat"]
+    section = serve_report.workloads_section(plan.workloads)["chat_sampled"]
+    assert section["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
 @pytest.mark.parametrize("bad", [dict(rate=0), dict(duration_s=-1), dict(min_requests=0)])
 def test_window_rejects_bad_values(bad):
     kw = dict(rate=1.0, duration_s=1.0, min_requests=1) | bad
@@ -641,8 +663,10 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
     """Two modes through real `vllm serve` (CPU build, eager): every request completes, the
     plugin's server registered the plugin and the stock one did not, ratios and saturation are
     computed, and the same requests went to both modes."""
-    proc = _cli("--model", tiny_qwen3, "--modes", "plugin,stock", "--workloads", "chat",
-                "--rates", "chat:1,2", "--lengths", "chat:16-48:4-6", "--duration-s", "2",
+    proc = _cli("--model", tiny_qwen3, "--modes", "plugin,stock", "--workloads",
+                "chat,chat_sampled", "--rates", "chat:1,2", "--rates", "chat_sampled:2",
+                "--lengths", "chat:16-48:4-6", "--lengths", "chat_sampled:16-48:4-6",
+                "--duration-s", "2",
                 "--min-requests", "3", "--warmup-s", "1", "--clients", "2", "--allow-cpu",
                 "--server-arg=--enforce-eager", "--name", "e2e", "--results-dir",
                 str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--no-plot",
@@ -650,13 +674,13 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "e2e.json").read_text())
     serve_report.check_schema(doc)
-    assert len(doc["rows"]) == 4 and not doc["skipped"]
+    assert len(doc["rows"]) == 6 and not doc["skipped"]
     for row in doc["rows"]:
         assert row["failed"] == 0 and row["completed"] == row["requests"] >= 3, row
         assert 0 < row["ttft_ms"]["p50"] <= row["e2e_ms"]["p50"]
         assert row["output_tokens"] >= 4 * row["completed"]
         assert row["steps"]["engine_steps"] > 0
-    by_mode = {(r["mode"], r["rate"]): r for r in doc["rows"]}
+    by_mode = {(r["mode"], r["rate"]): r for r in doc["rows"] if r["workload"] == "chat"}
     assert by_mode[("plugin", 2)]["output_tokens"] == by_mode[("stock", 2)]["output_tokens"]
     assert "replays" in by_mode[("plugin", 1)]["steps"]
     assert "replays" not in by_mode[("stock", 1)]["steps"]
@@ -667,7 +691,9 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
     assert doc["modes"]["stock"]["servers"]["default"]["plugin"] is None
     assert "ttft_p50_stock_over_plugin/tiny/chat/r2" in doc["ratios"] or any(
         k.startswith("ttft_p50_stock_over_plugin/") for k in doc["ratios"])
-    assert set(doc["saturation"]) == {"plugin/chat", "stock/chat"}
+    assert set(doc["saturation"]) == {"plugin/chat", "stock/chat", "plugin/chat_sampled",
+                                      "stock/chat_sampled"}
+    assert doc["workloads"]["chat_sampled"]["sampling"]["top_k"] == 20
     assert "ratios (stock time / plugin time" in proc.stdout
 
 
