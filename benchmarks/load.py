@@ -58,9 +58,10 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("chat", (128, 1024), (128, 256),
                  "prompts of 128-1024 tokens, 128-256 output tokens"),
-        # NOTE: Qwen3's model card advises these for chat without thinking; a real checkpoint's
-        # generation_config.json makes `vllm serve` apply them to requests that set none. vLLM's
-        # sampler then sorts every row's logits for top-p/top-k, outside any graph.
+        # NOTE: Qwen3's model card advises these for chat without thinking (a real checkpoint's
+        # generation_config.json sets 0.6 / 0.95 / 20, which `vllm serve` applies to requests
+        # that set none): most clients sample. vLLM's sampler then sorts every row's logits for
+        # top-p/top-k, outside any graph.
         Workload("chat_sampled", (128, 1024), (128, 256),
                  "chat prompts and lengths, sampled as Qwen3's model card advises for chat "
                  "(temperature 0.7, top-p 0.8, top-k 20)",
