@@ -137,6 +137,18 @@ if spec.get("redraw"):
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                         logprobs=1, detokenize=False)
 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+SCHEDULE = []  # this phase's scheduled steps, [tokens, requests] each (spec "record_schedule")
+if spec.get("record_schedule"):
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    _schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = _schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            SCHEDULE.append([out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)])
+        return out
+
+    scheduler.schedule = recording_schedule
 FEATURES = spec.get("sampling_features")
 if FEATURES:
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -236,6 +248,7 @@ for phase in spec["phases"]:
         phase = {**phase, "swapped_ptrs": llm.apply_model(swap_first_kv)[0]}
     kill(phase["kill"])
     b = phase["batch"]
+    SCHEDULE.clear()
     t1 = time.perf_counter()
     tokens, top1 = [], []
     # "temperature": random sampling from vLLM's default CUDA generator (not comparable)
@@ -266,6 +279,8 @@ for phase in spec["phases"]:
                              "metrics": collect_text()})
     if FEATURES:
         result["phases"][-1]["detail"] = [detail(out) for out in outs]
+    if spec.get("record_schedule"):
+        result["phases"][-1]["schedule"] = list(SCHEDULE)
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 plugin = getattr(runner, "moe_graphs", None)  # None: stock runner
 logits = plugin.logits if plugin is not None else None  # None: vLLM computes them
@@ -433,7 +448,8 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     tiny real checkpoint with 1280 positions (`TINY_MIXED`): prompts scaled to 1/5 (the long
     ones 819-900 tokens), a 48-token step budget and 48 sequences so they still chunk, one
     arrival every step. `llm_extra`: more engine arguments; with `sampling_features` in the
-    spec, the summary's `details` are each phase's per-request results."""
+    spec, the summary's `details` are each phase's per-request results, with `record_schedule`
+    its `schedules` each phase's scheduled steps ([tokens, requests] each)."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
@@ -462,6 +478,8 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     summary = check_parity(result)
     if spec_extra.get("sampling_features"):
         summary["details"] = [ph["detail"] for ph in result["phases"]]
+    if spec_extra.get("record_schedule"):
+        summary["schedules"] = [ph["schedule"] for ph in result["phases"]]
     summary["graph_keys"] = result["graph_keys"]
     summary["mixed_keys"] = [k for k in result["graph_keys"] if k[2] > 0]
     g = result["phases"][0]

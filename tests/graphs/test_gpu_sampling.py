@@ -52,7 +52,20 @@ def run_sampling_features(tmp_path, name: str, features: list[dict] = SAMPLING_F
     then the kill switch; the tokenizer loaded (structured outputs need it)."""
     return run_mixed(tmp_path, "tiny", name, {}, max_tokens=max_tokens,
                      llm_extra={"skip_tokenizer_init": False, **(llm_extra or {})},
-                     env_extra=env_extra, sampling_features=features)
+                     env_extra=env_extra, sampling_features=features, record_schedule=True)
+
+
+def first_divergence(schedules: list[list[list[int]]]) -> int | None:
+    """The first step at which a phase scheduled other tokens or requests than the first phase
+    (or ran more or fewer steps); None when every phase scheduled the same steps."""
+    first = schedules[0]
+    for other in schedules[1:]:
+        for step, (a, b) in enumerate(zip(first, other)):
+            if a != b:
+                return step
+        if len(first) != len(other):
+            return min(len(first), len(other))
+    return None
 
 
 def check_sampling_features(details: list[list[dict]],
@@ -91,17 +104,25 @@ def check_sampling_features(details: list[list[dict]],
 
 def test_sampling_features_through_graphs_match_kill_switch_eager(tmp_path):
     """What clients of `vllm serve` ask of sampling, through steps replayed from graphs: seeded
-    random sampling (top-p/top-k, min-p), penalties, logit bias, min tokens with a stop token, two completions of one prompt, prompt logprobs in the steps that prefill
-    (graphed, mixed), a structured output's grammar. The tiny checkpoint's staggered mixed
+    random sampling (top-p/top-k, min-p), penalties, logit bias, min tokens with a stop token,
+    two completions of one prompt, prompt logprobs in the steps that prefill (graphed, mixed),
+    a structured output's grammar. The tiny checkpoint's staggered mixed
     traffic, graphs then the kill switch (steps at the same padded sizes, so the logits are the
     same bits): every request's tokens, logprobs and prompt logprobs identical, each feature
     visible in them (`check_sampling_features`; its premise, that two phases of this traffic
     schedule and sample alike, is checked on vLLM's CPU build by
     tests/graphs/test_mixed_workload_schedule.py)."""
     summary = run_sampling_features(tmp_path, "sampling-features")
-    counts = check_sampling_features(summary.pop("details"))
-    summary["sampling_features"] = counts
+    schedules = summary.pop("schedules")
+    # outputs that differ change what is scheduled next: where the phases' steps part says
+    # which step to look at first
+    summary["steps_per_phase"] = [len(s) for s in schedules]
+    summary["first_schedule_divergence"] = first_divergence(schedules)
+    details = summary.pop("details")
+    report("parity-sampling-features", summary)  # before the checks: a failed run keeps it
+    summary["sampling_features"] = counts = check_sampling_features(details)
     report("parity-sampling-features", summary)
+    assert summary["first_schedule_divergence"] is None, summary
     assert summary["mode_graphs"] == 1, summary["log_lines"]
     (row,) = summary["rows"]
     assert row["replays"] > 0 and row["replays_while_killed"] == 0, row

@@ -158,7 +158,7 @@ def test_mixed_faults_traffic_captures_a_key_with_prefill_tokens_first(cpu_vllm,
 def test_sampling_features_schedule_and_sample_alike_in_two_phases(cpu_vllm, tmp_path,
                                                                    monkeypatch):
     from tests.graphs.test_gpu_sampling import (SAMPLING_FEATURES, check_sampling_features,
-                                               run_sampling_features)
+                                               first_divergence, run_sampling_features)
 
     # Two departures from the GPU run, both for vLLM's CPU build: its sampler honours the
     # per-request seeds only when every row of the batch has one (else it samples every row
@@ -174,5 +174,7 @@ def test_sampling_features_schedule_and_sample_alike_in_two_phases(cpu_vllm, tmp
         llm_extra={"enforce_eager": True, "dtype": "float32", "block_size": 16,
                    "enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
         env_extra={"PYTHONPATH": cpu_vllm, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": ""})
+    assert first_divergence(summary["schedules"]) is None
+    assert len(summary["schedules"][0]) > 64, summary["schedules"][0]  # steps were recorded
     counts = check_sampling_features(summary["details"], features)
     assert counts == {"requests": 64, "phases": 2, "identical": 64}, counts
