@@ -106,12 +106,12 @@ def test_sampling_features_through_graphs_match_kill_switch_eager(tmp_path):
     """What clients of `vllm serve` ask of sampling, through steps replayed from graphs: seeded
     random sampling (top-p/top-k, min-p), penalties, logit bias, min tokens with a stop token,
     two completions of one prompt, prompt logprobs in the steps that prefill (graphed, mixed),
-    a structured output's grammar. The tiny checkpoint's staggered mixed
-    traffic, graphs then the kill switch (steps at the same padded sizes, so the logits are the
-    same bits): every request's tokens, logprobs and prompt logprobs identical, each feature
-    visible in them (`check_sampling_features`; its premise, that two phases of this traffic
-    schedule and sample alike, is checked on vLLM's CPU build by
-    tests/graphs/test_mixed_workload_schedule.py)."""
+    a structured output's grammar. The tiny checkpoint's staggered mixed traffic, graphs then
+    the kill switch (steps at the same padded sizes, so the logits are the same bits): the same
+    steps scheduled, every request's tokens, logprobs and prompt logprobs identical, each
+    feature visible in them (`check_sampling_features`). That two phases of this harness
+    schedule and sample alike without graphs is checked on vLLM's CPU build
+    (tests/graphs/test_mixed_workload_schedule.py, with the two departures that build needs)."""
     summary = run_sampling_features(tmp_path, "sampling-features")
     schedules = summary.pop("schedules")
     # outputs that differ change what is scheduled next: where the phases' steps part says

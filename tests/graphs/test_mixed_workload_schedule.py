@@ -5,8 +5,9 @@ prompts, arrivals, step budget and 16-token KV blocks as on the GPU, schedules t
   more than one query token (the plugin's step kinds, graphs/kinds.py);
 - in the Qwen3-0.6B traffic of the mixed-faults test the first key to reach its capture under
   `MIXED_FAULTS_PLUGIN` is one with prefill tokens, the capture that test makes fail;
-- the sampling-features parity's harness, run as the GPU test runs it: two phases of its
-  traffic schedule and sample alike (so a difference on the GPU is the graphs'), and each
+- the sampling-features parity's harness, run as the GPU test runs it but for two departures
+  the CPU build needs (every row seeded, no prompt chunked): two phases of its traffic schedule
+  the same steps and sample alike (so a difference on the GPU is the graphs'), and each
   feature shows in the outputs (so their equality is not vacuous)."""
 
 from __future__ import annotations
