@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_moe_graphs.config import TOKEN_BUCKETS
+from vllm_moe_graphs.config import TOKEN_BUCKETS, PluginConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,6 +116,12 @@ SERVE_MODES: dict[str, ServeMode] = {
                   f"{EAGER_PAST_TOKENS} tokens: a step of more (long prompts' chunks, GPU-bound) "
                   "runs eager at its exact size, no padded tokens (step_too_large)",
                   settings=dict(token_buckets=list(SHORT_TOKEN_BUCKETS)),
+                  ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_wide_mixed_keys", "on request: `plugin` with mixed_requests at the "
+                  "largest decode batch bucket (every step with prefill tokens pads to one key "
+                  "of its token bucket, idle capture takes them all, no lazy capture of wider "
+                  "keys at saturation)",
+                  settings=dict(mixed_requests=PluginConfig().decode_batch_buckets[-1]),
                   ready_estimate_s=60.0, default=False),
         ServeMode("plugin_triton_prefill", "on request: `plugin` with prefill_attention triton "
                   "(steps with prefill tokens attend through the plugin's kernel)",

@@ -62,6 +62,7 @@ def test_default_token_buckets_bound_the_padding():
     ({"warmup_steps": 2.5}, ["moe_graphs.warmup_steps", "2.5", "integer"]),
     ({"warmup_steps": True}, ["moe_graphs.warmup_steps", "True", "integer"]),
     ({"warmup_steps": -1}, ["moe_graphs.warmup_steps", "-1", ">= 0"]),
+    ({"mixed_requests": 0}, ["moe_graphs.mixed_requests", "0", ">= 1"]),
     ({"graph_memory_budget_mib": -5}, ["moe_graphs.graph_memory_budget_mib", "-5", ">= 0"]),
     ({"enabled": "yes"}, ["moe_graphs.enabled", "'yes'", "true or false"]),
     ({"precapture": 1}, ["moe_graphs.precapture", "1", "true or false"]),

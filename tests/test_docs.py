@@ -1,9 +1,11 @@
 """The docs point at what exists: every relative link of README.md and docs/*.md reaches a file
 and, with an anchor, one of its headings; `docs/benchmarking.md`'s result-file index names
-every file in `benchmarks/results/` and no file that is not there."""
+every file in `benchmarks/results/` and no file that is not there; every metric and every
+plugin config key is documented."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import pathlib
 import re
@@ -118,3 +120,11 @@ def test_every_metric_is_documented(doc):
 
     text = (ROOT / doc).read_text()
     assert [name for name in METRICS if f"`{name}" not in text] == []
+
+
+def test_every_config_key_is_in_the_readme_table():
+    from vllm_moe_graphs.config import PluginConfig
+
+    rows = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `")]
+    keys = [f.name for f in dataclasses.fields(PluginConfig)]
+    assert [k for k in keys if not any(ln.startswith(f"| `{k}` |") for ln in rows)] == []

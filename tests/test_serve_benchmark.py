@@ -485,6 +485,16 @@ def test_eager_long_steps_mode_stops_the_token_buckets_at_4096():
     assert graph_config(short, 1024, 40960, 8192).token_buckets[-1] == 4096
 
 
+def test_wide_mixed_keys_mode_pads_mixed_requests_to_the_largest_decode_bucket():
+    from vllm_moe_graphs.config import PluginConfig
+
+    mode = serve.SERVE_MODES["plugin_wide_mixed_keys"]
+    assert "plugin_wide_mixed_keys" not in serve.DEFAULT_MODES
+    cfg = PluginConfig.from_dict(mode.settings)
+    assert cfg.mixed_requests == cfg.decode_batch_buckets[-1] == 1024
+    assert PluginConfig().mixed_requests == 256
+
+
 def test_every_plugin_mode_passes_a_valid_plugin_config():
     from vllm_moe_graphs.config import PluginConfig
 

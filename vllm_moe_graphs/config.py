@@ -28,6 +28,11 @@ TOKEN_BUCKETS: tuple[int, ...] = (
     + (8192,))
 
 
+# Requests a key of steps with prefill tokens holds by default (`mixed_requests`): steps below
+# saturation carry fewer, so one graph per token bucket serves them all.
+MIXED_REQUESTS = 256
+
+
 class CaptureFailurePolicy(str, enum.Enum):
     """What a failed graph capture does."""
 
@@ -85,6 +90,13 @@ class PluginConfig:
     # Powers of two where a step is host-bound, then four and eight buckets an octave where
     # its GPU time grows with the padded tokens (TOKEN_BUCKETS).
     token_buckets: tuple[int, ...] = TOKEN_BUCKETS
+    # Requests a key of steps with prefill tokens is padded to: min(token bucket, this, the
+    # largest decode batch bucket); a step with more (a saturated server's wide decode batch
+    # next to a prefill chunk) takes a key padded to the next power of two, captured when such
+    # a step first comes (idle capture leaves them). At the largest decode batch bucket no step
+    # needs such a key and idle capture takes every key; a padded request adds only an empty
+    # entry to the attention's schedule. 256 until the wider default is measured on the H200.
+    mixed_requests: int = MIXED_REQUESTS
     # Attention of steps with prefill tokens: "auto" (FlashAttention 3 where vLLM has it, else
     # the plugin's kernel), "flash_attn" (FA3; where it is absent, the plugin's kernel with a
     # warning) or "triton" (the plugin's varlen kernel). FA3 runs with its schedule planned
@@ -213,6 +225,7 @@ _PARSERS = {
     "logits_in_graph": _bool,
     "mixed_graphs": _bool,
     "token_buckets": _buckets,
+    "mixed_requests": lambda k, v: _int(k, v, 1),
     "prefill_attention": _prefill_attention,
     "skip_moe_padding": _bool,
     "fuse_moe_padding_mask": _bool,

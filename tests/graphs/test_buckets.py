@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import MIXED_REQUESTS, PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
-    MIXED_REQUESTS,
     GraphKey,
     all_keys,
     graph_config,
@@ -164,6 +163,29 @@ def test_mixed_keys_never_pad_requests_past_max_num_seqs(max_num_seqs):
                 continue
             assert num_reqs <= key.request_bucket <= min(limit, key.batch_bucket), (
                 num_tokens, num_reqs, key)
+
+
+def test_mixed_requests_at_the_largest_decode_bucket_leaves_one_key_per_token_bucket():
+    """`mixed_requests` at the largest decode batch bucket: every step of a token bucket, up to
+    that many requests, pads to the one key the idle capture takes (the runner's `mixed_keys`),
+    so a saturated server's wide steps meet no key of their own; below it, the default."""
+    from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
+
+    wide = graph_config(PluginConfig(mixed_requests=1024), 1024, 40960, 8192)
+    runner = DecodeGraphRunner(lambda rows: rows, wide)
+    idle = set(runner.mixed_keys())
+    assert len(idle) == len(wide.token_buckets)
+    for num_tokens in (16, 300, 511, 640, 1000, 4097, 8192):
+        for num_reqs in (1, 200, 256, 257, 513, 1000, 1024):
+            if num_reqs <= num_tokens:
+                key = pick_mixed_key(num_tokens, num_reqs, wide.token_buckets, 1024, 1024)
+                assert key in idle, (num_tokens, num_reqs, key)
+                assert key.request_bucket == min(key.batch_bucket, 1024)
+    default = graph_config(PluginConfig(), 1024, 40960, 8192)
+    assert default.mixed_requests == MIXED_REQUESTS == 256
+    narrow = set(DecodeGraphRunner(lambda rows: rows, default).mixed_keys())
+    assert pick_mixed_key(8000, 257, default.token_buckets, 1024) not in narrow  # a wider key
+    assert pick_mixed_key(8000, 257, wide.token_buckets, 1024, 1024) in idle
 
 
 def test_graph_config_fits_token_buckets_to_the_token_budget():

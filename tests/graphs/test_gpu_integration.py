@@ -145,26 +145,30 @@ def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
     assert "_topk_softmax_kernel" not in summary["jit_in_requests"], summary["jit_in_requests"]
 
 
-def test_wide_batches_replay_and_match_kill_switch(tmp_path):
+@pytest.mark.parametrize("mixed_requests", [None, 640])
+def test_wide_batches_replay_and_match_kill_switch(mixed_requests, tmp_path):
     """Steps of more than 256 requests, as a saturated `vllm serve` runs them (max_num_seqs is
     1024 on the H200): 640 prompts submitted at once, an 8192-token step budget. The steps that
     prefill the later prompts next to the earlier ones' decode rows carry more than 256
     requests (keys padded to a power of two: 512, then max_num_seqs 640), the decode steps
     take the buckets past 256; `warmup_steps: 0` captures each key at first sight, so even a
-    key met once replays. Graphs vs the kill switch: token-identical."""
+    key met once replays. With `mixed_requests` 640 every step with prefill tokens pads to its
+    token bucket's one key of min(bucket, 640) requests instead. Graphs vs the kill switch:
+    token-identical."""
     model, vocab = cut_shape_dir(tmp_path, "qwen3-0.6b")
+    plugin = {"warmup_steps": 0, **({"mixed_requests": mixed_requests} if mixed_requests else {})}
     kwargs = engine_kwargs(model, load_format="dummy", max_num_seqs=640,
-                         max_num_batched_tokens=8192,
-                         additional_config={"moe_graphs": {"warmup_steps": 0}})
-    result = run_engine(tmp_path, "wide", kwargs, parity_prompts(vocab, 640), parity_phases((640,)),
-                        max_tokens=32)
+                           max_num_batched_tokens=8192, additional_config={"moe_graphs": plugin})
+    result = run_engine(tmp_path, "wide", kwargs, parity_prompts(vocab, 640),
+                        parity_phases((640,)), max_tokens=32)
     summary = check_parity(result)
     keys = result["graph_keys"]
     summary["wide_decode_buckets"] = sorted({b for b, _, r in keys if r == 0 and b > 256})
-    summary["wide_mixed_keys"] = sorted([b, r] for b, _, r in keys if r > 256)
+    summary["mixed_keys"] = sorted([b, r] for b, _, r in keys if r > 0)
     summary["mixed_replays"] = delta(result["phases"], 0, "moe_graphs_replays_total",
-                                      kind="mixed")
-    report("parity-wide-batches", summary)
+                                     kind="mixed")
+    report("parity-wide-batches" + (f"-mixed-requests-{mixed_requests}" if mixed_requests
+                                    else ""), summary)
     (row,) = summary["rows"]
     assert summary["mode_graphs"] == 1, summary["log_lines"]
     assert row["identical_sequences"] == row["sequences"] == 640, row
@@ -172,7 +176,11 @@ def test_wide_batches_replay_and_match_kill_switch(tmp_path):
     assert row["kill_switch_fallbacks"] > 0, row
     assert row["mean_top1_logprob"] > -10.5, f"flat logits: comparison vacuous ({row})"
     assert 640 in summary["wide_decode_buckets"], keys
-    assert summary["wide_mixed_keys"] and summary["mixed_replays"] > 0, summary
+    assert summary["mixed_replays"] > 0, summary
+    if mixed_requests:  # one key per token bucket, whatever its steps' requests
+        assert all(r == min(b, mixed_requests) for b, r in summary["mixed_keys"]), keys
+    else:
+        assert any(r > 256 for _, r in summary["mixed_keys"]), keys
 
 
 def test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager(tmp_path):

@@ -4,7 +4,7 @@ A pure-decode step's graph is keyed by `GraphKey(batch_bucket, context_bucket)`:
 batch size it was captured for and the longest context its attention plan covers. A step that
 carries prefill tokens (`mixed_graphs`) is keyed by its padded query tokens,
 `GraphKey(token_bucket, 0, request_bucket)` with `request_bucket` a function of the token
-bucket up to `MIXED_REQUESTS` requests (`pick_mixed_key`): one graph serves every mix of
+bucket up to `mixed_requests` requests (`pick_mixed_key`): one graph serves every mix of
 requests within its tokens, and the varlen attention kernel has no context-dependent plan.
 Pure functions over host ints; nothing here touches a tensor.
 """
@@ -16,14 +16,8 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.config import PluginConfig
+from vllm_moe_graphs.config import MIXED_REQUESTS, PluginConfig
 
-# Requests a key of steps with prefill tokens holds by default (fewer when its token bucket is
-# smaller): steps below saturation carry fewer, so one graph per token bucket serves them; a
-# step with more (a saturated server's wide decode batch next to a prefill chunk) takes a key
-# padded to the next power of two of its requests, captured when such a step first comes.
-# A padded request adds no row to any GEMM, only an empty entry to the attention's schedule.
-MIXED_REQUESTS = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -66,17 +60,18 @@ def pick_key(num_reqs: int, max_context: int, batch_buckets: Sequence[int],
 
 
 def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
-                   max_requests: int) -> GraphKey | Reason:
+                   max_requests: int, mixed_requests: int = MIXED_REQUESTS) -> GraphKey | Reason:
     """The key a step with prefill tokens (`num_tokens` query tokens of `num_reqs` requests)
-    pads into: its token bucket, with requests padded to min(token bucket, MIXED_REQUESTS,
+    pads into: its token bucket, with requests padded to min(token bucket, `mixed_requests`,
     `max_requests`) when they fit, as every step below saturation does; past that, to the
     next power of two that holds them (512, 1024), still at most the token bucket and
     `max_requests` (the largest decode batch bucket). Every request has a query token, so up to
-    MIXED_REQUESTS requests the key, and with it the attention grid and vLLM's request-indexed
-    buffers, is a function of the token bucket alone (one graph per token bucket, not per token
-    x request pair; a padded request has no query token and its attention programs exit at
-    once); a wider step adds at most two keys per token bucket. `Reason.STEP_TOO_LARGE` past
-    the last token bucket, `Reason.BATCH_TOO_LARGE` past `max_requests`."""
+    `mixed_requests` requests the key, and with it the attention grid and vLLM's
+    request-indexed buffers, is a function of the token bucket alone (one graph per token
+    bucket, not per token x request pair; a padded request has no query token and its
+    attention programs exit at once); a wider step adds at most two keys per token bucket
+    (none with `mixed_requests` at `max_requests`). `Reason.STEP_TOO_LARGE` past the last token
+    bucket, `Reason.BATCH_TOO_LARGE` past `max_requests`."""
     if num_reqs < 1 or num_tokens < num_reqs:
         raise ValueError(f"num_tokens={num_tokens!r}, num_reqs={num_reqs!r}: need "
                          "num_tokens >= num_reqs >= 1")
@@ -85,8 +80,8 @@ def pick_mixed_key(num_tokens: int, num_reqs: int, token_buckets: Sequence[int],
         return Reason.STEP_TOO_LARGE
     if num_reqs > max_requests:
         return Reason.BATCH_TOO_LARGE
-    requests = min(tokens, MIXED_REQUESTS, max_requests)
-    while requests < num_reqs:  # only past MIXED_REQUESTS: num_reqs <= tokens, max_requests
+    requests = min(tokens, mixed_requests, max_requests)
+    while requests < num_reqs:  # only past mixed_requests: num_reqs <= tokens, max_requests
         requests *= 2
     return GraphKey(tokens, 0, min(tokens, requests, max_requests))
 

@@ -34,7 +34,7 @@ import torch
 from vllm_moe_graphs.capability import REMEDY, Reason
 from vllm_moe_graphs.config import CaptureFailurePolicy, PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
-    MIXED_REQUESTS, DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key,
+    DecodePlan, GraphKey, all_keys, pick_key, pick_mixed_key,
     shared_context_buckets)
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
 from vllm_moe_graphs.graphs.decision import Action, Decision
@@ -143,17 +143,19 @@ class DecodeGraphRunner:
         if c.mixed_graphs:
             lines.append(f"steps with prefill tokens graphed too (mixed_graphs): token buckets "
                          f"{list(c.token_buckets)}, requests padded to min(token bucket, "
-                         f"{min(MIXED_REQUESTS, c.decode_batch_buckets[-1])}), more requests "
+                         f"{min(c.mixed_requests, c.decode_batch_buckets[-1])}), more requests "
                          f"to a power of two up to {c.decode_batch_buckets[-1]}")
         return lines
 
     def mixed_keys(self) -> tuple[GraphKey, ...]:
         """With `mixed_graphs`, the key of every token bucket for the steps below saturation
-        (at most `MIXED_REQUESTS` requests), largest first (none without)."""
-        if not self.config.mixed_graphs:
+        (at most `mixed_requests` requests), largest first (none without)."""
+        c = self.config
+        if not c.mixed_graphs:
             return ()
-        buckets, requests = self.config.token_buckets, self.config.decode_batch_buckets[-1]
-        return tuple(pick_mixed_key(t, 1, buckets, requests) for t in sorted(buckets, reverse=True))
+        return tuple(pick_mixed_key(t, 1, c.token_buckets, c.decode_batch_buckets[-1],
+                                    c.mixed_requests)
+                     for t in sorted(c.token_buckets, reverse=True))
 
     def output(self, key: GraphKey) -> torch.Tensor | None:
         """The static output tensor of `key`'s live graph (None when it has none)."""
@@ -190,7 +192,7 @@ class DecodeGraphRunner:
                 key = self._shared(key)
         else:
             key = pick_mixed_key(num_reqs, requests, self.config.token_buckets,
-                                 self.config.decode_batch_buckets[-1])
+                                 self.config.decode_batch_buckets[-1], self.config.mixed_requests)
         killed = self._kill is not None and self._kill.active()
         if isinstance(key, Reason):
             return Decision(Action.EAGER, None, Reason.KILL_SWITCH if killed else key, num_reqs)
