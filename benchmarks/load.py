@@ -268,6 +268,7 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
     errors = Counter(r.error for r in records if r.error is not None)
     send_lag = _dist(lag)
     send_lag["max"] = round(max(lag) * 1e3, 3) if lag else None
+    indices = range(max((r.index for r in records), default=-1) + 1)
     return {
         "rate": rate,
         "requests": len(records),
@@ -292,7 +293,7 @@ def summarize(records: Sequence[Record], rate: float) -> dict[str, Any]:
         # every request's value in ms by index, None where it has none: every mode is offered
         # the same requests, so the ratios' intervals resample them in pairs (serve_report)
         "samples": {f: [None if (v := values.get(i)) is None else round(v * 1e3, 3)
-                        for i in range(max((r.index for r in records), default=-1) + 1)]
+                        for i in indices]
                     for f, values in per_request.items()},
     }
 

@@ -19,7 +19,6 @@ from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.config import MIXED_REQUESTS, PluginConfig
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class GraphKey:
     """Identity of one captured graph; hashable, ordered. `batch_bucket` is the rows the
