@@ -13,6 +13,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 # vLLM's sources again and start-up times carry seconds no operator pays.
 unset PYTHONDONTWRITEBYTECODE
 eval "$(bash .gpu/install.sh install)" || { echo "[env.sh] bundle install failed"; return 3; }
+if [ -d .gpu-extras ]; then  # scripts/gpu_extras.sh: what vLLM imports that the bundle lacks
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.gpu-extras
+  echo "[env.sh] .gpu-extras on PYTHONPATH: $(ls .gpu-extras | tr '\n' ' ')"
+fi
 if python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >/tmp/pip-e.log 2>&1
 then
   echo "[env.sh] project installed (editable)"

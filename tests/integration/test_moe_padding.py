@@ -99,11 +99,13 @@ def _fused_router(padding: MoePadding):
 def test_fused_routing_sends_padding_rows_to_the_sentinel_in_vllms_router() -> None:
     from vllm_moe_graphs.ops.moe_router import topk_softmax
 
-    padding = MoePadding(16, "cpu")
+    # the kernel runs where Triton does: the GPU, else the interpreter on the CPU
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    padding = MoePadding(16, dev)
     router = _fused_router(padding)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(12, E, generator=g).to(torch.bfloat16)  # [T, E]
-    hidden = torch.zeros(12, 32, dtype=torch.bfloat16)
+    logits = torch.randn(12, E, generator=g).to(torch.bfloat16).to(dev)  # [T, E]
+    hidden = torch.zeros(12, 32, dtype=torch.bfloat16, device=dev)
     want_w, want_i = topk_softmax(logits, K, True)
     weights, ids = router.select_experts(hidden, logits)  # vLLM's own unpadded step
     assert torch.equal(ids, want_i) and torch.equal(weights, want_w)
@@ -269,10 +271,11 @@ def _check_triton_experts(rows: int, real: int) -> None:
     ids = ids.to(torch.int32)
     plain = fused_experts(x, w1, w2, weights, ids)
     padding = MoePadding(rows, dev)
+    rewrite = padding.rewrite(K, E)  # a layer on the mask, as install registers it
     masked = ids.clone()
     with padding.padded(real):
         padding.begin(rows)
-        padding.rewrite(K, E)(masked)
+        rewrite(masked)
     assert (masked[real:] == sentinel(rows, K, E)).all() and torch.equal(masked[:real], ids[:real])
     skipped = fused_experts(x, w1, w2, weights, masked)
     torch.cuda.synchronize()
@@ -284,7 +287,7 @@ def _check_triton_experts(rows: int, real: int) -> None:
         with torch.cuda.graph(graph):
             replay_ids.copy_(ids)
             padding.begin(rows)
-            padding.rewrite(K, E)(replay_ids)
+            rewrite(replay_ids)
             out = fused_experts(x, w1, w2, weights, replay_ids)
     with padding.padded(real):
         graph.replay()
