@@ -272,6 +272,15 @@ def run(args: argparse.Namespace) -> int:
         plan = {"absent": absent, "layers": layers, "workers": [spec_to_json(s) for s in specs]}
         print(json.dumps(plan, indent=1), flush=True)
         return 0
+    if args.interleave and (gpu_bytes := sweep.gpu_memory_bytes()):
+        for model in dict.fromkeys(s.model for s in specs):
+            mine = [s for s in specs if s.model == model]
+            why = sweep.interleave_overflow(model, shapes[model],
+                                            mine[0].llm_kwargs["kv_cache_memory_bytes"],
+                                            len(mine), gpu_bytes)
+            if why:
+                print(f"decode benchmark: {why}", file=sys.stderr, flush=True)
+                return 2
     print(f"decode benchmark: {len(specs)} worker(s), logs in {work_dir}", flush=True)
     for mode, why in absent.items():
         print(f"  absent {mode}: {why}", flush=True)

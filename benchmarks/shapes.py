@@ -174,6 +174,12 @@ def decode_step_bytes(shape: ModelShape, batch: int, context: int) -> StepBytes:
     return StepBytes(weights=params * shape.dtype_bytes, kv=kv, experts_touched=touched)
 
 
+def resident_weight_bytes(shape: ModelShape) -> int:
+    """Bytes of the parameters one engine holds: every layer with all its experts, the whole
+    embedding and the LM head (counted apart even when tied: an upper bound)."""
+    return decode_step_bytes(shape, batch=shape.vocab, context=0).weights
+
+
 def floor_ms(step_bytes: int, bandwidth_gbps: float | None) -> float | None:
     """Time to stream `step_bytes` at `bandwidth_gbps` (GB/s, 1e9 bytes), in milliseconds."""
     if not bandwidth_gbps or bandwidth_gbps <= 0:

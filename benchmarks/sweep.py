@@ -35,7 +35,8 @@ from benchmarks.protocol import (
     spec_to_json,
     write_json_atomic,
 )
-from benchmarks.shapes import REPO_ROOT, ModelShape, prepare_config_dir, read_config
+from benchmarks.shapes import (REPO_ROOT, ModelShape, prepare_config_dir, read_config,
+                               resident_weight_bytes)
 
 RESERVE_S = 15.0  # kept back from --time-budget-s for writing the JSON, plot and table
 KILL_GRACE_S = 5.0
@@ -83,6 +84,39 @@ def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: 
 
 INTERLEAVE_GPU_MEMORY_UTILIZATION = 0.05  # only vLLM's start-up check reads it then
 KV_HEADROOM = 1.25  # block rounding and the async-scheduling slack
+
+
+INTERLEAVE_ENGINE_SLACK = 3 * 2**30  # an engine's CUDA context, activations and graph pool
+
+
+def interleave_overflow(model: str, shape: ModelShape, kv_bytes: int, engines: int,
+                        gpu_bytes: int) -> str | None:
+    """Why `engines` engines of `model`, all up at once under `--interleave`, cannot fit a GPU
+    of `gpu_bytes`, or None."""
+    weights = resident_weight_bytes(shape)
+    each = weights + kv_bytes + INTERLEAVE_ENGINE_SLACK
+    fit = int(gpu_bytes // each)
+    if engines <= fit:
+        return None
+    gib = 2**30
+    return (f"--interleave keeps {engines} engines of {model} up at once, each about "
+            f"{each / gib:.1f} GiB (weights {weights / gib:.1f}, KV {kv_bytes / gib:.1f}, "
+            f"slack {INTERLEAVE_ENGINE_SLACK / gib:.0f}): {engines * each / gib:.0f} GiB, and "
+            f"this GPU has {gpu_bytes / gib:.0f} GiB. Pass at most {fit} mode(s) per run "
+            f"(several runs), or cut the model with --num-layers")
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the first visible GPU from nvidia-smi (no CUDA init), or None."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
 
 
 def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:

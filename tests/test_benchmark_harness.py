@@ -28,6 +28,7 @@ from benchmarks.shapes import (
     floor_ms,
     prepare_config_dir,
     read_config,
+    resident_weight_bytes,
     shipped_config_dir,
 )
 
@@ -219,6 +220,23 @@ def test_floor_bytes_qwen3_30b_a3b_counts_touchable_experts() -> None:
     b32, b64 = decode_step_bytes(shape, 32, 512), decode_step_bytes(shape, 64, 512)
     assert b32.experts_touched == b64.experts_touched == 128  # saturated: every expert is read
     assert b64.weights - b32.weights == 32 * 2048 * 2  # only embedding rows differ
+
+
+def test_interleave_refuses_engines_the_gpu_cannot_hold() -> None:
+    """Qwen3-30B-A3B holds 30.5B parameters (every expert, embedding and LM head apart): two
+    engines fit a 140 GiB H200 under --interleave, three do not, and an 80 GiB H100 holds one;
+    the refusal quotes the sizes and names the fix."""
+    shape = _shape("qwen3-30b-a3b")
+    per_layer = 18_874_368 + 4_352 + 262_144 + 128 * 3 * 2048 * 768
+    assert resident_weight_bytes(shape) == 2 * (per_layer * 48 + 2048 + 2 * 151_936 * 2048)
+    kv, h200, h100 = 15 * 2**29, 143_771 * 2**20, 81_559 * 2**20
+    assert sweep.interleave_overflow("qwen3-30b-a3b", shape, kv, 2, h200) is None
+    why = sweep.interleave_overflow("qwen3-30b-a3b", shape, kv, 3, h200)
+    assert why is not None and "3 engines of qwen3-30b-a3b" in why and "at most 2 mode" in why
+    assert "weights 56.9" in why and "--num-layers" in why
+    assert "at most 1 mode" in (sweep.interleave_overflow("qwen3-30b-a3b", shape, kv, 2, h100)
+                                or "")
+    assert sweep.interleave_overflow("qwen3-0.6b", _shape("qwen3-0.6b"), kv, 6, h100) is None
 
 
 def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
