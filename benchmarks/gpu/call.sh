@@ -17,7 +17,8 @@
 #                   (their --plugin-config, passed as one argument: spaces are fine)
 # The benchmark parts get --time-budget-s from what is left. A device call brings back at most 8
 # files: each part's output folder comes back as one archive, $OUT/{tests,kernels,decode,serve}.tgz
-# and the benchmarks' JSON and PNG files also as they are.
+# and the benchmarks' JSON and PNG files also as they are. Each part is archived as soon as it
+# ends, so a call cut short by the device's limit still brings back the parts that finished.
 set -uo pipefail
 T0=$(date +%s)
 GUARD_S=${CALL_GUARD_S:-575}
@@ -26,6 +27,12 @@ WORK=$(mktemp -d /tmp/gpu-call-XXXX)
 mkdir -p "$FINAL"
 left() { echo $((GUARD_S - ($(date +%s) - T0))); }
 say() { echo "[call.sh +$(($(date +%s) - T0))s] $*"; }
+keep() {  # keep PART: its folder as $FINAL/PART.tgz, its JSON and PNG files as they are
+  [ -d "$WORK/$1" ] || return 0
+  tar -czf "$FINAL/$1.tgz" -C "$WORK" "$1"
+  [ "$1" = tests ] || [ "$1" = kernels ] || cp "$WORK/$1"/*.json "$WORK/$1"/*.png "$FINAL/" 2>/dev/null
+  return 0
+}
 
 if [ -n "${TESTS_ARGS:-}" ]; then
   mkdir -p "$WORK/tests"
@@ -33,12 +40,14 @@ if [ -n "${TESTS_ARGS:-}" ]; then
   OUT=$WORK/tests RUN_GUARD_S=${TESTS_GUARD_S:-450} bash benchmarks/gpu/tests.sh $TESTS_ARGS 2>&1 \
     | tail -30
   grep -hE "^(PASSED|FAILED|ERROR) |[0-9]+ (passed|failed)" "$WORK"/tests/pytest*.txt | tail -80
+  keep tests
   say "tests done"
 fi
 if [ -n "${KERNELS_STEPS:-}" ]; then
   mkdir -p "$WORK/kernels"
   OUT=$WORK/kernels KERNELS_GUARD_S=${KERNELS_GUARD_S:-150} bash benchmarks/gpu/kernels.sh 2>&1 \
     | tail -80
+  keep kernels
   say "kernels done"
 fi
 if [ -n "${DECODE_ARGS:-}" ]; then
@@ -52,6 +61,7 @@ if [ -n "${DECODE_ARGS:-}" ]; then
   else
     say "decode skipped: ${budget}s left"
   fi
+  keep decode
   say "decode done"
 fi
 serve() {  # serve PART ARGS KEEP_S: one serving run, leaving KEEP_S seconds for what follows
@@ -62,14 +72,9 @@ serve() {  # serve PART ARGS KEEP_S: one serving run, leaving KEEP_S seconds for
   # shellcheck disable=SC2086
   OUT=$WORK/$1 RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
     bash benchmarks/gpu/run.sh $2 "${extra[@]}" --time-budget-s $((budget - 15)) 2>&1 | tail -60
+  keep "$1"
   say "$1 done"
 }
 [ -n "${SERVE_ARGS:-}" ] && serve serve "$SERVE_ARGS" "${AFTER_SERVE_S:-0}"
 [ -n "${SERVE2_ARGS:-}" ] && serve serve2 "$SERVE2_ARGS" 0
-for part in tests kernels decode serve serve2; do
-  [ -d "$WORK/$part" ] && tar -czf "$FINAL/$part.tgz" -C "$WORK" "$part"
-done
-for part in decode serve serve2; do
-  cp "$WORK/$part"/*.json "$WORK/$part"/*.png "$FINAL/" 2>/dev/null
-done
 say "done; files in $FINAL: $(cd "$FINAL" && ls | tr '\n' ' ')"
