@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu/tests.sh tier                     (every GPU test in six lanes: ~7.5
 #                                                          minutes on the H200, RUN_GUARD_S=540)
 #
-# Run from the repository root with the vLLM bundle carried (device call: carry [".gpu", ".gpu-extras"]:
-# .gpu-extras from scripts/gpu_extras.sh, for the structured-output request of the sampling test).
+# Run from the repository root with the vLLM bundle carried (device call: carry [".gpu",
+# ".gpu-extras"]; .gpu-extras from scripts/gpu_extras.sh, for the sampling test's structured
+# output).
 # Sets up the environment (benchmarks/gpu/env.sh: bundle, project, the plugin's entry point),
 # then runs pytest under RUN_GUARD_S seconds in all (default 560).
 #
