@@ -30,7 +30,9 @@ say() { echo "[call.sh +$(($(date +%s) - T0))s] $*"; }
 keep() {  # keep PART: its folder as $FINAL/PART.tgz, its JSON and PNG files as they are
   [ -d "$WORK/$1" ] || return 0
   tar -czf "$FINAL/$1.tgz" -C "$WORK" "$1"
-  [ "$1" = tests ] || [ "$1" = kernels ] || cp "$WORK/$1"/*.json "$WORK/$1"/*.png "$FINAL/" 2>/dev/null
+  case $1 in
+    decode | serve*) cp "$WORK/$1"/*.json "$WORK/$1"/*.png "$FINAL/" 2>/dev/null ;;
+  esac
   return 0
 }
 
