@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu_extras.sh -- the pure-Python packages vLLM 0.26 imports that the GPU bundle lacks,
-# copied from this checkout's .venv into .gpu-extras/ (ignored by git; about 0.6 MiB).
+# copied from this checkout's .venv into .gpu-extras/ (ignored by git; about 0.3 MiB).
 #
 #   bash scripts/gpu_extras.sh          then carry [".gpu", ".gpu-extras"] in device calls
 #
