@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,20 @@ from collections.abc import Iterator, Sequence
 
 from benchmarks.serve_server import free_port, stop_process_group
 from benchmarks.serve_server import http_get as get
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float | None:
+    """Sum of the samples of `name` whose labels include `labels`, in Prometheus exposition
+    text (None: no such sample)."""
+    total = None
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if not m:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(2))
+    return total
 
 
 def post_json(url: str, body: dict, timeout: float = 60) -> dict:

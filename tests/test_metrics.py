@@ -13,25 +13,13 @@ from vllm_moe_graphs import metrics, metrics_transport
 from vllm_moe_graphs.capability import DecodeGraphCapability, Proof, Reason
 from vllm_moe_graphs.metrics import METRICS, MetricsRecorder, Mode
 from vllm_moe_graphs.metrics_transport import PluginCollector
+from tests.serve_util import metric_sum
 
 
 def _scrape(directory: str) -> str:
     registry = CollectorRegistry()
     registry.register(PluginCollector(directory))
     return generate_latest(registry).decode()
-
-
-def _value(text: str, name: str, **labels: str) -> float | None:
-    """Sum of the samples of `name` whose labels include `labels` (None: no such sample)."""
-    total = None
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{(.*)\}})? (\S+)$", line)
-        if not m:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total = (total or 0.0) + float(m.group(3))
-    return total
 
 
 def _samples(text: str, name: str) -> list[str]:
@@ -78,12 +66,12 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     rec.publish(stats)
     assert stats.capture_seconds == [], "observations are handed over once"
     text = _scrape(str(tmp_path))
-    assert _value(text, "moe_graphs_pool_bytes", kind="decode") == 2048
-    assert _value(text, "moe_graphs_pool_bytes", kind="mixed") == 4096
-    assert _value(text, "moe_graphs_captures_total", kind="mixed") == 1
-    assert _value(text, "moe_graphs_capture_seconds_sum", kind="mixed") == 0.25
-    assert _value(text, "moe_graphs_step_captures_total", kind="mixed") == 1
-    assert _value(text, "moe_graphs_step_captures_total", kind="decode") == 0
+    assert metric_sum(text, "moe_graphs_pool_bytes", kind="decode") == 2048
+    assert metric_sum(text, "moe_graphs_pool_bytes", kind="mixed") == 4096
+    assert metric_sum(text, "moe_graphs_captures_total", kind="mixed") == 1
+    assert metric_sum(text, "moe_graphs_capture_seconds_sum", kind="mixed") == 0.25
+    assert metric_sum(text, "moe_graphs_step_captures_total", kind="mixed") == 1
+    assert metric_sum(text, "moe_graphs_step_captures_total", kind="decode") == 0
     rec.publish(stats)  # nothing changed: nothing added
     stats.replay()
     stats.replay(StepKind.PREFILL)
@@ -98,22 +86,22 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     other.replay()
     rec.publish(other)
     text = _scrape(str(tmp_path))
-    assert _value(text, "moe_graphs_replays_total", kind="decode", rank="0") == 5
-    assert _value(text, "moe_graphs_replays_total", kind="prefill", rank="0") == 1
-    assert _value(text, "moe_graphs_replays_total", kind="mixed", rank="0") == 0
+    assert metric_sum(text, "moe_graphs_replays_total", kind="decode", rank="0") == 5
+    assert metric_sum(text, "moe_graphs_replays_total", kind="prefill", rank="0") == 1
+    assert metric_sum(text, "moe_graphs_replays_total", kind="mixed", rank="0") == 0
     fallbacks = "moe_graphs_eager_fallbacks_total"
-    assert _value(text, fallbacks, reason="mixed_batch", kind="mixed", rank="0") == 1
-    assert _value(text, fallbacks, reason="mixed_batch", kind="prefill", rank="0") == 1
-    assert _value(text, fallbacks, reason="kill_switch", kind="decode", rank="0") == 1
-    assert _value(text, "moe_graphs_captures_total", rank="0") == 2
-    assert _value(text, "moe_graphs_capture_failures_total", kind="prefill", rank="0") == 1
-    assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 2
-    assert _value(text, "moe_graphs_pool_bytes", rank="0") == 0
-    assert _value(text, "moe_graphs_scratch_bytes", rank="0") == 32
+    assert metric_sum(text, fallbacks, reason="mixed_batch", kind="mixed", rank="0") == 1
+    assert metric_sum(text, fallbacks, reason="mixed_batch", kind="prefill", rank="0") == 1
+    assert metric_sum(text, fallbacks, reason="kill_switch", kind="decode", rank="0") == 1
+    assert metric_sum(text, "moe_graphs_captures_total", rank="0") == 2
+    assert metric_sum(text, "moe_graphs_capture_failures_total", kind="prefill", rank="0") == 1
+    assert metric_sum(text, "moe_graphs_capture_seconds_count", rank="0") == 2
+    assert metric_sum(text, "moe_graphs_pool_bytes", rank="0") == 0
+    assert metric_sum(text, "moe_graphs_scratch_bytes", rank="0") == 32
     rows = "moe_graphs_graph_rows_total"
-    assert _value(text, rows, kind="mixed", row="real") == 300
-    assert _value(text, rows, kind="mixed", row="padding") == 84
-    assert _value(text, rows, kind="decode", row="padding") == 1
+    assert metric_sum(text, rows, kind="mixed", row="real") == 300
+    assert metric_sum(text, rows, kind="mixed", row="padding") == 84
+    assert metric_sum(text, rows, kind="decode", row="padding") == 1
 
 
 def test_recorded_values_reach_the_files(tmp_path):
@@ -126,15 +114,15 @@ def test_recorded_values_reach_the_files(tmp_path):
     rec.capture_failure()
     rec.record_invalidation(Reason.STORAGE_IDENTITY_CHANGED)
     text = _scrape(str(tmp_path))
-    assert _value(text, "moe_graphs_info", version=metrics.__version__, mode="stock") == 1
-    assert _value(text, "moe_graphs_info", version=metrics.__version__, mode="graphs") == 0
-    assert _value(text, "moe_graphs_capability", reason="no_cuda") == 1
-    assert _value(text, "moe_graphs_capability", reason="lora") == 1
-    assert _value(text, "moe_graphs_capability", reason="eligible") == 0
-    assert _value(text, "moe_graphs_replays_total", rank="3") == 5
-    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="mixed_batch", rank="3") == 1
-    assert _value(text, "moe_graphs_capture_failures_total", rank="3") == 1
-    assert _value(text, "moe_graphs_invalidations_total", reason="storage_identity_changed",
+    assert metric_sum(text, "moe_graphs_info", version=metrics.__version__, mode="stock") == 1
+    assert metric_sum(text, "moe_graphs_info", version=metrics.__version__, mode="graphs") == 0
+    assert metric_sum(text, "moe_graphs_capability", reason="no_cuda") == 1
+    assert metric_sum(text, "moe_graphs_capability", reason="lora") == 1
+    assert metric_sum(text, "moe_graphs_capability", reason="eligible") == 0
+    assert metric_sum(text, "moe_graphs_replays_total", rank="3") == 5
+    assert metric_sum(text, "moe_graphs_eager_fallbacks_total", reason="mixed_batch", rank="3") == 1
+    assert metric_sum(text, "moe_graphs_capture_failures_total", rank="3") == 1
+    assert metric_sum(text, "moe_graphs_invalidations_total", reason="storage_identity_changed",
                   rank="3") == 1
 
 
@@ -167,15 +155,15 @@ def test_two_worker_processes_no_double_counting(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     text = _scrape(str(tmp_path))
-    assert _value(text, "moe_graphs_replays_total", rank="0") == 10
-    assert _value(text, "moe_graphs_replays_total", rank="1") == 11
+    assert metric_sum(text, "moe_graphs_replays_total", rank="0") == 10
+    assert metric_sum(text, "moe_graphs_replays_total", rank="1") == 11
     assert len(_samples(text, "moe_graphs_replays_total")) == 2 * 3  # ranks x step kinds
-    assert _value(text, "moe_graphs_eager_fallbacks_total", reason="kill_switch", rank="1") == 2
-    assert _value(text, "moe_graphs_pool_bytes", rank="1") == 2000
+    assert metric_sum(text, "moe_graphs_eager_fallbacks_total", reason="kill_switch", rank="1") == 2
+    assert metric_sum(text, "moe_graphs_pool_bytes", rank="1") == 2000
     info = [s for s in _samples(text, "moe_graphs_info") if s.endswith(" 1.0")]
     assert info == [f'moe_graphs_info{{mode="graphs",version="{metrics.__version__}"}} 1.0']
-    assert _value(text, "moe_graphs_capability", reason="eligible") == 1
-    assert _value(text, "moe_graphs_capture_seconds_count", rank="0") == 1
+    assert metric_sum(text, "moe_graphs_capability", reason="eligible") == 1
+    assert metric_sum(text, "moe_graphs_capture_seconds_count", rank="0") == 1
     assert "pid" not in text
 
 
@@ -204,7 +192,7 @@ def test_setup_root_publishes_only_plugin_series(tmp_path, monkeypatch):
     MetricsRecorder(rank=0, directory=directory).replay(7)
     text = generate_latest(registry).decode()
     assert "vllm:foreign" not in text
-    assert _value(text, "moe_graphs_replays_total", rank="0") == 7
+    assert metric_sum(text, "moe_graphs_replays_total", rank="0") == 7
     assert metrics_transport.collect_text(registry).count("moe_graphs_replays_total") >= 1
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 
 from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, shape_dir
+from tests.serve_util import metric_sum
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_LAYERS = 4
@@ -296,16 +297,9 @@ print("ENGINE_DONE", result["config"], flush=True)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (exposition text)."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
-        if not m:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    """Sum of the samples of `name` whose labels include `labels` (exposition text; 0 when
+    there is none)."""
+    return metric_sum(text, name, **labels) or 0.0
 
 
 def cut_shape_dir(tmp_path, shape: str) -> tuple[str, int]:
