@@ -20,7 +20,9 @@ CONFIG_KEY = "moe_graphs"
 # from 256 to 2048 and eight from 2048 to 8192, where a step's GPU time grows with its padded
 # tokens (a padded token is up to 25%, then 12.5%, of the step's work). Powers of two from 16 to
 # 8192 padded a fifth to a third of the tokens of such steps under the serving benchmark on the
-# H200, and one more key cost a capture of 0.1-0.4 s into the shared pool.
+# H200, and one more key cost a capture of 0.1-0.4 s into the shared pool. Sixteen an octave
+# from 2048 halved the padding of `long`'s GPU-bound steps and bought nothing measurable on an
+# H100, for 292 MiB more pool (docs/benchmarking.md, settings weighed on an H100).
 TOKEN_BUCKETS: tuple[int, ...] = (
     (16, 32, 64, 128)
     + tuple(base * k // 4 for base in (256, 512, 1024) for k in range(4, 8))
@@ -109,7 +111,8 @@ class PluginConfig:
     # With skip_moe_padding: the padding rows' expert ids written by the routing launch itself
     # (the plugin's Triton top-k softmax in place of vLLM's topk_softmax, ops/moe_router.py)
     # instead of a mask launch per MoE layer after vLLM's routing (49 launches a step on
-    # Qwen3-30B-A3B). Off until measured on the H200.
+    # Qwen3-30B-A3B). No slower in the decode benchmark on an H100; off until measured serving
+    # on the H200.
     fuse_moe_padding_mask: bool = False
     # While the engine waits for requests, capture the keys traffic has not reached yet, one at
     # a time, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
