@@ -56,6 +56,18 @@ def torch_cuda_problem(script: str) -> str | None:
     return None
 
 
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output for `args` (no CUDA init), or None where it is absent or fails."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
 def gpu_problem() -> str | None:
     """Why no NVIDIA GPU is usable here, or None. Cheap: no torch, no vLLM, no CUDA init."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -63,14 +75,8 @@ def gpu_problem() -> str | None:
         return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
     if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/proc/driver/nvidia/version"):
         return None
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
-            if out.returncode == 0 and "GPU" in out.stdout:
-                return None
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+    if "GPU" in (nvidia_smi("-L") or ""):
+        return None
     return "no NVIDIA GPU found (no /dev/nvidia*, no /proc/driver/nvidia, no working nvidia-smi)"
 
 
@@ -84,8 +90,6 @@ def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: 
 
 INTERLEAVE_GPU_MEMORY_UTILIZATION = 0.05  # only vLLM's start-up check reads it then
 KV_HEADROOM = 1.25  # block rounding and the async-scheduling slack
-
-
 INTERLEAVE_ENGINE_SLACK = 3 * 2**30  # an engine's CUDA context, activations and graph pool
 
 
@@ -108,14 +112,10 @@ def interleave_overflow(model: str, shape: ModelShape, kv_bytes: int, engines: i
 
 def gpu_memory_bytes() -> int | None:
     """Total memory of the first visible GPU from nvidia-smi (no CUDA init), or None."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
+    out = nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
-        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return int(out.split()[0]) * 2**20 if out else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -330,17 +330,11 @@ def environment(
             return "unknown"
 
     gpu, driver = versions.get("gpu", "unknown"), "unknown"
-    if shutil.which("nvidia-smi"):
+    out = nvidia_smi("--query-gpu=name,driver_version", "--format=csv,noheader")
+    if out and out.strip():
         try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-            if out.returncode == 0 and out.stdout.strip():
-                gpu, driver = (s.strip() for s in out.stdout.splitlines()[0].split(",", 1))
-        except (OSError, subprocess.TimeoutExpired, ValueError):
+            gpu, driver = (s.strip() for s in out.splitlines()[0].split(",", 1))
+        except ValueError:
             pass
     return {
         "gpu_name": gpu,

@@ -239,6 +239,21 @@ def test_interleave_refuses_engines_the_gpu_cannot_hold() -> None:
     assert sweep.interleave_overflow("qwen3-0.6b", _shape("qwen3-0.6b"), kv, 6, h100) is None
 
 
+def test_gpu_memory_read_from_nvidia_smi(tmp_path: Path, monkeypatch) -> None:
+    """The interleave check's GPU size comes from nvidia-smi's MiB; a failing or absent
+    nvidia-smi gives None (the check is then skipped), never an exception."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$1" = "-L" ] && exit 1\necho 143771\necho 143771\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert sweep.gpu_memory_bytes() == 143_771 * 2**20
+    assert sweep.nvidia_smi("-L") is None
+    smi.write_text("#!/bin/sh\necho 'not a number'\n")
+    assert sweep.gpu_memory_bytes() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "absent"))
+    assert sweep.gpu_memory_bytes() is None
+
+
 def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
     assert floor_ms(4_300_000_000, 4300.0) == pytest.approx(1.0)
     assert floor_ms(1, None) is None
