@@ -22,7 +22,7 @@ CONFIG_KEY = "moe_graphs"
 # 8192 padded a fifth to a third of the tokens of such steps under the serving benchmark on the
 # H200, and one more key cost a capture of 0.1-0.4 s into the shared pool. Sixteen an octave
 # from 2048 halved the padding of `long`'s GPU-bound steps and bought nothing measurable on an
-# H100, for 292 MiB more pool (docs/benchmarking.md, settings weighed on an H100).
+# H100, for 292 MiB more pool (docs/benchmarking.md, results on an H100).
 TOKEN_BUCKETS: tuple[int, ...] = (
     (16, 32, 64, 128)
     + tuple(base * k // 4 for base in (256, 512, 1024) for k in range(4, 8))
