@@ -73,7 +73,7 @@ def test_cold_then_warm_rounds_each_mode_with_its_own_caches(
 
 
 def test_budget_skips_starts_that_cannot_fit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 110 s budget - 15 s reserve = 95 s. Estimates: a mode's start-up estimate + 30 s before its
     # first start (stock_graphs 120 s: never fits; nc 65 s, plugin 75 s), then its cold wall
@@ -85,7 +85,15 @@ def test_budget_skips_starts_that_cannot_fit(
     assert [(s["mode"], s["round"]) for s in doc["skipped"]] == [("stock_graphs", 0),
                                                                  ("stock_graphs", 1)]
     assert all("time budget" in s["reason"] for s in doc["skipped"])
-    assert doc["summary"]["targets"] == []  # no stock_graphs start: no verdict
+    # no stock_graphs start: each start-up is judged against stock_full_decode_nc alone
+    targets = {t["cache"]: t for t in doc["summary"]["targets"]}
+    assert set(targets) == {"cold", "warm"}
+    for cache, t in targets.items():
+        nc = doc["summary"]["modes"]["stock_full_decode_nc"][cache]["startup_s"]
+        assert t["vs_stock_full_decode_nc"] == round(t["startup_s"] / nc, 3)
+        assert t["not_slower_than_nc"] == (t["startup_s"] <= nc)
+        assert "vs_stock_graphs" not in t and "under_third_of_stock_graphs" not in t
+    assert "plugin_graphs cold: " in capsys.readouterr().out
 
 
 def test_prime_runs_the_real_imports(tmp_path: Path) -> None:
