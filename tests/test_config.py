@@ -32,6 +32,10 @@ def test_parses_every_field():
     assert fa3.prefill_attention == "flash_attn" and PluginConfig.from_dict(fa3.to_dict()) == fa3
     assert PluginConfig().prefill_attention == "auto"
     assert PluginConfig.from_dict({"prefill_attention": "triton"}).prefill_attention == "triton"
+    assert PluginConfig().warm_up_compile_threads == 0  # the warm-up compiles inline
+    threads = PluginConfig.from_dict({"warm_up_compile_threads": 8})
+    assert threads.warm_up_compile_threads == 8 and PluginConfig.from_dict(
+        threads.to_dict()) == threads
 
 
 def test_frozen():
@@ -63,6 +67,8 @@ def test_default_token_buckets_bound_the_padding():
     ({"warmup_steps": True}, ["moe_graphs.warmup_steps", "True", "integer"]),
     ({"warmup_steps": -1}, ["moe_graphs.warmup_steps", "-1", ">= 0"]),
     ({"mixed_requests": 0}, ["moe_graphs.mixed_requests", "0", ">= 1"]),
+    ({"warm_up_compile_threads": -2}, ["moe_graphs.warm_up_compile_threads", "-2", ">= 0"]),
+    ({"warm_up_compile_threads": "8"}, ["moe_graphs.warm_up_compile_threads", "'8'", "integer"]),
     ({"graph_memory_budget_mib": -5}, ["moe_graphs.graph_memory_budget_mib", "-5", ">= 0"]),
     ({"enabled": "yes"}, ["moe_graphs.enabled", "'yes'", "true or false"]),
     ({"precapture": 1}, ["moe_graphs.precapture", "1", "true or false"]),

@@ -10,13 +10,14 @@ __version__ = "0.1.0"
 
 
 # The plugin's graph modes: our attention backend and these `moe_graphs` settings.
-_PLUGIN_GRAPH_MODES: dict[str, dict[str, bool]] = {
+_PLUGIN_GRAPH_MODES: dict[str, dict[str, bool | int]] = {
     "plugin_graphs": {},
     "plugin_graphs_experimental": {"small_m_gemm": True, "fuse_qk_norm_rope": True},
     "plugin_graphs_cublas": {"small_m_gemm": False, "fuse_qk_norm_rope": False},
     "plugin_graphs_decode_only": {"mixed_graphs": False},
     "plugin_graphs_moe_padding": {"skip_moe_padding": False},
     "plugin_graphs_fused_router": {"fuse_moe_padding_mask": True},
+    "plugin_graphs_parallel_warm_up": {"warm_up_compile_threads": 8},
 }
 
 
@@ -36,6 +37,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     with `skip_moe_padding` off (padding rows routed through the MoE experts, as stock vLLM).
     `plugin_graphs_fused_router`: `plugin_graphs` with `fuse_moe_padding_mask` (the padding
     rows' expert ids written by the plugin's routing kernel, no mask launch per MoE layer).
+    `plugin_graphs_parallel_warm_up`: `plugin_graphs` with the start-up warm-up's fused-MoE
+    compiles on 8 threads (`warm_up_compile_threads`).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

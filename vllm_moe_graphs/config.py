@@ -118,6 +118,12 @@ class PluginConfig:
     # a time, in precapture's order (integration/patch/engine_core_idle.py): a fresh server's lazy
     # captures move out of its first minutes of serving, start-up stays as fast.
     idle_capture: bool = True
+    # Threads that compile the fused-MoE kernel's variants of the start-up warm-up in parallel
+    # (integration/moe_warm_up.py: recorded from forwards that skip those launches, then
+    # compiled through Triton's asynchronous compile); 0: one after the other, inside the
+    # warm-up's forwards. Off until measured on the H200, where those compiles are most of a
+    # fresh node's start-up of Qwen3-30B-A3B.
+    warm_up_compile_threads: int = 0
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None) -> PluginConfig:
@@ -233,6 +239,7 @@ _PARSERS = {
     "skip_moe_padding": _bool,
     "fuse_moe_padding_mask": _bool,
     "idle_capture": _bool,
+    "warm_up_compile_threads": lambda k, v: _int(k, v, 0),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginConfig)}, "parser per field"
 

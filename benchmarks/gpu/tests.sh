@@ -36,6 +36,7 @@ if [ "${1:-}" = tier ]; then
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
+    "$T::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
     + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
     "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \

@@ -145,6 +145,22 @@ def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
     assert "_topk_softmax_kernel" not in summary["jit_in_requests"], summary["jit_in_requests"]
 
 
+def test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late(tmp_path):
+    """warm_up_compile_threads: the start-up warm-up records the fused-MoE kernel's variants
+    from forwards that skip those launches and compiles them on 8 threads before its own
+    forwards; the `run_mixed` traffic on the Qwen3-30B-A3B shape token-identical to the kill
+    switch, and no fused-MoE variant compiled while serving."""
+    summary = run_mixed(tmp_path, "qwen3-30b-a3b", "mixed-parallel-warm-up",
+                        {"skip_moe_padding": True, "warm_up_compile_threads": 8})
+    report("parity-mixed-parallel-warm-up", summary)
+    compiled = [ln for ln in summary["log_lines"] if "fused-MoE kernel variants of" in ln]
+    assert compiled and "compiled on 8 threads" in compiled[0], summary["log_lines"]
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert "fused_moe_kernel" not in summary["jit_in_requests"], summary["jit_in_requests"]
+
+
 @pytest.mark.parametrize("mixed_requests", [None, 640])
 def test_wide_batches_replay_and_match_kill_switch(mixed_requests, tmp_path):
     """Steps of more than 256 requests, as a saturated `vllm serve` runs them (max_num_seqs is

@@ -88,3 +88,86 @@ def test_a_changed_lookup_is_left_alone(monkeypatch, caplog):
     with recording_moe_configs() as calls:
         assert module.try_get_optimal_moe_config is drifted  # not wrapped
     assert calls == [] and "fused-MoE token counts are left out" in caplog.text
+
+
+def test_deferring_records_vllms_fused_moe_kernel_and_passes_the_rest_on(monkeypatch):
+    """`warm_up_compile_threads`' record: Triton's JIT asks `jit_cache_hook` before a compile
+    (as `JITFunction._call_hook` does); vLLM's `fused_moe_kernel` is recorded once per cache
+    key and skipped (True: no compile, no launch) with its output zeroed, any other kernel
+    goes to the hook that was there; afterwards both hooks are as they were."""
+    import types
+
+    import torch
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    from vllm_moe_graphs.integration.moe_warm_up import (
+        DEFERRED_KERNEL,
+        deferring_fused_moe_compiles,
+    )
+
+    kernel = fused_moe.fused_moe_kernel
+    fn = getattr(kernel, "fn", kernel)  # without a GPU, vLLM's Triton stand-in leaves the function
+    assert (fn.__module__, fn.__qualname__) == DEFERRED_KERNEL  # where vLLM 0.26 defines it
+    seen: list[str] = []
+
+    def previous(**kwargs):
+        seen.append(kwargs["fn"].name)
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
+
+    def ask(info, key: str):  # Triton's keyword arguments to the hook
+        return knobs.runtime.jit_cache_hook(
+            key=key, repr="r", fn=info, compile={"key": key, "specialization_data": f"data {key}"},
+            is_manual_warmup=False, already_compiled=False)
+
+    moe = JitFunctionInfo(fn.__module__, fn.__qualname__, kernel)
+    other = JitFunctionInfo("vllm_moe_graphs.ops.paged_decode", "_paged_decode_kernel", object())
+    # on a GPU the kernel is Triton's JIT function, whose pre-run hooks see each launch's
+    # arguments (A, B, C, ...) first: the output C is zeroed for a launch that will be skipped
+    jit = types.SimpleNamespace(pre_run_hooks=[])
+    monkeypatch.setattr(fused_moe, "fused_moe_kernel", jit)
+    out = torch.full((2, 3), float("nan"))
+    with deferring_fused_moe_compiles() as deferred:
+        assert ask(moe, "k1") is True and ask(moe, "k2") is True and ask(moe, "k1") is True
+        assert ask(other, "k3") is False
+        (zero,) = jit.pre_run_hooks
+        zero(torch.ones(2), torch.ones(2), out, 7, top_k=8)
+        assert out.eq(0).all()
+    assert deferred == {"k1": (kernel, "data k1"), "k2": (kernel, "data k2")}
+    assert seen == ["_paged_decode_kernel"]
+    assert knobs.runtime.jit_cache_hook is previous and jit.pre_run_hooks == []
+
+
+def test_compile_in_parallel_compiles_on_threads_before_it_returns():
+    """The recorded kernels are preloaded under Triton's asynchronous compile mode: each
+    compile runs on the pool's threads (four at once here: the barrier breaks unless all four
+    wait together) and lands in its kernel's cache before `compile_in_parallel` returns."""
+    import threading
+
+    from triton.runtime import _async_compile
+
+    from vllm_moe_graphs.integration.moe_warm_up import compile_in_parallel
+
+    barrier, cache, threads = threading.Barrier(4, timeout=10), {}, set()
+
+    class Kernel:  # what JITFunction.preload -> _do_compile does under the async mode
+        def preload(self, data: str) -> None:
+            mode = _async_compile.active_mode.get()
+            assert mode is not None
+
+            def compile_() -> str:
+                threads.add(threading.current_thread().name)
+                barrier.wait()
+                return f"binary {data}"
+
+            mode.submit(data, compile_, lambda binary: cache.__setitem__(data, binary))
+
+    specs = [(Kernel(), f"variant {i}") for i in range(4)]
+    assert compile_in_parallel(specs, threads=4) == 4
+    assert cache == {f"variant {i}": f"binary variant {i}" for i in range(4)}
+    assert len(threads) == 4 and all(t.startswith("moe_graphs-compile") for t in threads)
+    assert _async_compile.active_mode.get() is None
+    assert compile_in_parallel([], threads=4) == 0

@@ -901,6 +901,77 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     assert capture.captures == 0
 
 
+def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypatch, caplog):
+    """`warm_up_compile_threads`: the fused-MoE token counts first run with Triton's compile
+    hook recording the fused-MoE kernel's uncompiled variants (here each count asks for one, as
+    Triton's JIT would), those compile on the threads, and only then do the counts run as
+    without the setting, finding their variants compiled."""
+    import dataclasses
+    import logging
+    import types
+
+    from triton import knobs
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JitFunctionInfo
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+    from vllm_moe_graphs.graphs.buckets import graph_config
+    from vllm_moe_graphs.integration.moe_warm_up import DEFERRED_KERNEL
+
+    def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+        return {"BLOCK_SIZE_M": 16}
+
+    monkeypatch.setattr(triton_moe, "try_get_optimal_moe_config", lookup)
+    r, _, _ = _stepping_runner(warmup_steps=1)
+    r.max_model_len, r.max_num_tokens = 64, 40
+    r.moe_graphs.graphs.config = graph_config(
+        dataclasses.replace(r.moe_graphs.graphs.config, decode_batch_buckets=(2, 4)), 4, 64)
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config, warm_up_compile_threads=2)
+    compiled: dict[str, str] = {}
+    events: list[tuple] = []
+
+    class FusedMoeKernel:  # the JIT function: compiled variants land in its cache
+        def preload(self, data: str) -> None:  # JITFunction.preload under the async mode
+            _async_compile.active_mode.get().submit(
+                data, lambda: f"binary {data}",
+                lambda binary: (compiled.__setitem__(data, binary),
+                                events.append(("compiled", data))))
+
+    kernel = FusedMoeKernel()
+    info = JitFunctionInfo(*DEFERRED_KERNEL, kernel)
+
+    def dummy_run(num_tokens, **kw):
+        triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
+        if kw.get("force_attention"):
+            return
+        variant = f"M={num_tokens}"
+        if variant in compiled:
+            events.append(("ran", num_tokens))
+            return
+        hook = knobs.runtime.jit_cache_hook  # Triton's JIT before it compiles a variant
+        assert hook is not None, f"{variant} would compile inside the warm-up's run"
+        skipped = hook(key=variant, repr=variant, fn=info,
+                       compile={"key": variant, "specialization_data": variant},
+                       is_manual_warmup=False, already_compiled=False)
+        events.append(("recorded" if skipped else "compiled inline", num_tokens))
+
+    r._dummy_run = dummy_run
+    r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        r.capture_model()
+    # one group [1, 40]: its ends, the naive path's (1), BLOCK_SIZE_M's 16 +- 1; the mixed
+    # prefill batch ran 40 already
+    counts = [1, 15, 17, 39]
+    assert [e for e in events if e[0] == "recorded"] == [("recorded", n) for n in counts]
+    assert sorted(compiled) == sorted(f"M={n}" for n in counts)
+    first_run = min(i for i, e in enumerate(events) if e[0] == "ran")
+    assert all(e[0] == "compiled" for e in events[len(counts):first_run])
+    assert events[first_run:] == [("ran", n) for n in counts]
+    assert knobs.runtime.jit_cache_hook is None
+    assert "4 fused-MoE kernel variants of 4 token counts compiled on 2 threads" in caplog.text
+
+
 def test_graph_config_fits_buckets_to_the_engine():
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs.buckets import graph_config

@@ -116,3 +116,73 @@ def moe_token_counts(calls: Iterable[MoeCall], limit: int, done: Iterable[int] =
             edges = (lo, lo + 1, hi - 1, hi, naive, naive + 1, bm - 1, bm, bm + 1)
             want.update(m for m in edges if lo <= m <= hi)
     return sorted(want - set(done))
+
+
+# The kernel whose compiles `warm_up_compile_threads` takes off the warm-up's critical path:
+# vLLM's `fused_moe_kernel` (fused_moe/fused_moe.py), which writes only values (the experts'
+# outputs, its third argument); no other kernel is deferred.
+DEFERRED_KERNEL = ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel")
+
+
+def _zero_output(*args: Any, **kwargs: Any) -> None:
+    """A pre-run hook of the deferred kernel: its output zeroed before each launch, so that a
+    skipped launch leaves zeros (finite values, from which every routing kernel picks expert
+    ids in range) rather than whatever memory held."""
+    if len(args) > 2 and hasattr(args[2], "zero_"):
+        args[2].zero_()
+
+
+@contextlib.contextmanager
+def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
+    """Inside the block, a compile of `DEFERRED_KERNEL` that Triton's JIT is about to run is
+    recorded instead (the yielded dict: its cache key -> the JIT function and Triton's
+    specialization data) and skipped together with that launch, whose output is left zeroed
+    (`_zero_output`); every other compile goes to the hook that was there before. On leaving,
+    that hook is back and the kernel runs as before."""
+    from triton import knobs
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    found: dict[str, tuple[Any, str]] = {}
+    previous = knobs.runtime.jit_cache_hook
+    # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
+    # variant, so they run whether or not the launch is skipped (vLLM without a GPU leaves a
+    # plain function: nothing to hook, nothing compiles).
+    pre_run = getattr(getattr(fused_moe, DEFERRED_KERNEL[1], None), "pre_run_hooks", None)
+
+    def record(**kwargs: Any) -> Any:
+        info = kwargs["fn"]
+        if (str(info.module), info.name) == DEFERRED_KERNEL:
+            found.setdefault(str(kwargs["key"]), (info.jit_function,
+                                                  kwargs["compile"]["specialization_data"]))
+            return True  # Triton's JIT: no compile, no launch
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_cache_hook = record
+    if pre_run is not None:
+        pre_run.append(_zero_output)
+    try:
+        yield found
+    finally:
+        if knobs.runtime.jit_cache_hook is record:
+            knobs.runtime.jit_cache_hook = previous
+        if pre_run is not None and _zero_output in pre_run:
+            pre_run.remove(_zero_output)
+
+
+def compile_in_parallel(specs: Iterable[tuple[Any, str]], threads: int) -> int:
+    """Compile the recorded kernels (`deferring_fused_moe_compiles`) on `threads` threads into
+    their JIT functions' caches, through Triton's own kernel preload and asynchronous compile
+    mode (Triton's compile spends much of its time in ptxas and other subprocesses, outside
+    the GIL); returns how many were compiled. Raises what a compile raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    specs = list(specs)
+    if not specs:
+        return 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe_graphs-compile") as pool:
+        with AsyncCompileMode(pool):
+            for jit_function, specialization_data in specs:
+                jit_function.preload(specialization_data)
+    return len(specs)

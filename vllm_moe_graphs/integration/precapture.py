@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_moe_graphs.integration.moe_warm_up import moe_token_counts, recording_moe_configs
+from vllm_moe_graphs.integration.moe_warm_up import (
+    compile_in_parallel,
+    deferring_fused_moe_compiles,
+    moe_token_counts,
+    recording_moe_configs,
+)
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
@@ -43,7 +48,8 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
     returns the pool bytes."""
     config, graphs = lifecycle.config, lifecycle.graphs
     warm_up_kernels(runner, graphs, decode_keys=not config.precapture,
-                    moe_padding=lifecycle.moe_padding)
+                    moe_padding=lifecycle.moe_padding,
+                    compile_threads=config.warm_up_compile_threads)
     if not config.precapture:
         logger.info("moe_graphs: graphs are captured lazily, on first use of each key "
                     "after %d warm-up steps%s", config.warmup_steps,
@@ -119,16 +125,19 @@ def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) ->
 
 
 def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
-                    decode_keys: bool = True, moe_padding: MoePadding | None = None) -> float:
+                    decode_keys: bool = True, moe_padding: MoePadding | None = None,
+                    compile_threads: int = 0) -> float:
     """Run every kernel shape class a request can meet once, eagerly, before the engine is
     ready; returns the seconds it took. `decode_keys=False` leaves the decode batches to the
     pre-capture (whose warm-up steps run them). Where `moe_padding` has layers on the fused
     routing (`fuse_moe_padding_mask`), one forward runs padded: that kernel's variant for
-    padding rows. A failure stops the start-up with the remedy: a request would meet it too."""
+    padding rows. `compile_threads` > 0 (`warm_up_compile_threads`) compiles the fused-MoE
+    kernel's variants on that many threads first (`_warm_up`). A failure stops the start-up
+    with the remedy: a request would meet it too."""
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
     try:
-        prefill, moe = _warm_up(runner, keys)
+        prefill, moe = _warm_up(runner, keys, compile_threads)
         padded = moe_padding is not None and moe_padding.fused > 0
         if padded:
             with moe_padding.padded(1):  # a 2-row forward, its second row padding
@@ -146,7 +155,8 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     return seconds
 
 
-def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> tuple[int, int]:
+def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
+             compile_threads: int = 0) -> tuple[int, int]:
     """`warm_up_kernels`' runs; returns the numbers of prefill batches and of fused-MoE token
     counts."""
     # Prefill batches: the prefill kernel's tile is sized by the batch's longest query (a
@@ -173,6 +183,8 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> tuple[int, i
     # count up to max_num_tokens fits.
     done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
     moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
+    if compile_threads and moe:
+        _compile_moe_variants(runner, moe, compile_threads)
     for n in moe:
         runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                           remove_lora=False)
@@ -180,6 +192,24 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey]) -> tuple[int, i
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     return len(prefill) + (limit >= 2), len(moe)
+
+
+def _compile_moe_variants(runner: MoeGraphsModelRunner, counts: list[int], threads: int) -> None:
+    """`warm_up_compile_threads`: one forward per token count with the fused-MoE kernel's
+    uncompiled variants recorded and their launches skipped (their outputs zeroed: the later
+    layers compute meaningless but finite values, and route to experts in range), then those
+    variants compiled on `threads` threads. The forwards that follow (`_warm_up`) find them
+    compiled; one that the record missed compiles there, as without this setting."""
+    start = time.perf_counter()
+    with deferring_fused_moe_compiles() as deferred:
+        for n in counts:
+            runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                              remove_lora=False)
+    recorded = time.perf_counter()
+    compiled = compile_in_parallel(deferred.values(), threads)
+    logger.info("moe_graphs: %d fused-MoE kernel variants of %d token counts compiled on %d "
+                "threads in %.2f s (recorded in %.2f s)", compiled, len(counts), threads,
+                time.perf_counter() - recorded, recorded - start)
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
