@@ -902,10 +902,11 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
 
 
 def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypatch, caplog):
-    """`warm_up_compile_threads`: the fused-MoE token counts first run with Triton's compile
-    hook recording the fused-MoE kernel's uncompiled variants (here each count asks for one, as
-    Triton's JIT would), those compile on the threads, and only then do the counts run as
-    without the setting, finding their variants compiled."""
+    """`warm_up_compile_threads`: the decode, prefill and mixed batches and then the fused-MoE
+    token counts first run with Triton's compile hook recording the fused-MoE kernel's
+    uncompiled variants (here each token count asks for one, as Triton's JIT would), those
+    compile on the threads, and only then do the fused-MoE token counts run as without the
+    setting, finding their variants compiled."""
     import dataclasses
     import logging
     import types
@@ -917,6 +918,7 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
 
     from vllm_moe_graphs.graphs.buckets import graph_config
     from vllm_moe_graphs.integration.moe_warm_up import DEFERRED_KERNEL
+    from vllm_moe_graphs.integration.precapture import PREFILL_WARM_UP_TOKENS
 
     def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
         return {"BLOCK_SIZE_M": 16}
@@ -942,8 +944,6 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
 
     def dummy_run(num_tokens, **kw):
         triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
-        if kw.get("force_attention"):
-            return
         variant = f"M={num_tokens}"
         if variant in compiled:
             events.append(("ran", num_tokens))
@@ -960,16 +960,22 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         r.capture_model()
-    # one group [1, 40]: its ends, the naive path's (1), BLOCK_SIZE_M's 16 +- 1; the mixed
-    # prefill batch ran 40 already
+    # decode batches 2 and 4, the prefill batches up to 40 tokens, the mixed batch of 40; then
+    # one group [1, 40]: its ends, the naive path's (1), BLOCK_SIZE_M's 16 +- 1
+    decode = [k.batch_bucket for k in r.moe_graphs.graphs.all_keys()]
+    assert sorted(decode) == [2, 4]
+    batches = decode + [n for n in PREFILL_WARM_UP_TOKENS if n <= 40] + [40]
     counts = [1, 15, 17, 39]
-    assert [e for e in events if e[0] == "recorded"] == [("recorded", n) for n in counts]
-    assert sorted(compiled) == sorted(f"M={n}" for n in counts)
+    variants = set(batches + counts)
+    assert [e for e in events if e[0] == "recorded"] == [("recorded", n)
+                                                         for n in batches + counts]
+    assert sorted(compiled) == sorted(f"M={n}" for n in variants)
     first_run = min(i for i, e in enumerate(events) if e[0] == "ran")
-    assert all(e[0] == "compiled" for e in events[len(counts):first_run])
+    assert all(e[0] == "compiled" for e in events[len(batches + counts):first_run])
     assert events[first_run:] == [("ran", n) for n in counts]
     assert knobs.runtime.jit_cache_hook is None
-    assert "4 fused-MoE kernel variants of 4 token counts compiled on 2 threads" in caplog.text
+    assert (f"{len(variants)} fused-MoE kernel variants of {len(variants)} token counts "
+            "compiled on 2 threads") in caplog.text
 
 
 def test_graph_config_fits_buckets_to_the_engine():

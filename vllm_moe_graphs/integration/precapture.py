@@ -17,6 +17,7 @@ of a token bucket serves every mix of requests within it)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -165,7 +166,11 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     # context stays within max_model_len; the slot mapping is -1 (no KV write).
     limit = min(runner.max_num_tokens, runner.max_model_len - 1)
     prefill = [n for n in PREFILL_WARM_UP_TOKENS if n <= limit]
-    with recording_moe_configs() as moe_configs:
+    # `compile_threads`: every fused-MoE variant these runs meet is recorded (its launch
+    # skipped) and compiled on the threads afterwards (`_compile_moe_variants`).
+    deferring = deferring_fused_moe_compiles() if compile_threads else contextlib.nullcontext()
+    start = time.perf_counter()
+    with recording_moe_configs() as moe_configs, deferring as deferred:
         for key in keys:
             # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
             # execute_model, so no graph, decision or metric sees these batches.
@@ -179,12 +184,17 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
             runner._dummy_run(limit, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                               force_attention=True, create_mixed_batch=True, skip_eplb=True,
                               remove_lora=False)
-    # The fused-MoE kernel's variants by token count (moe_warm_up.py); no attention, so any
-    # count up to max_num_tokens fits.
-    done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
-    moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
-    if compile_threads and moe:
-        _compile_moe_variants(runner, moe, compile_threads)
+        # The fused-MoE kernel's variants by token count (moe_warm_up.py); no attention, so
+        # any count up to max_num_tokens fits.
+        done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
+        moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
+        if deferred is not None:
+            for n in moe:
+                runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                  skip_eplb=True, remove_lora=False)
+    if deferred is not None:
+        _compile_moe_variants(deferred, len(set(done) | set(moe)), compile_threads,
+                              time.perf_counter() - start)
     for n in moe:
         runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                           remove_lora=False)
@@ -194,22 +204,18 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     return len(prefill) + (limit >= 2), len(moe)
 
 
-def _compile_moe_variants(runner: MoeGraphsModelRunner, counts: list[int], threads: int) -> None:
-    """`warm_up_compile_threads`: one forward per token count with the fused-MoE kernel's
-    uncompiled variants recorded and their launches skipped (their outputs zeroed: the later
-    layers compute meaningless but finite values, and route to experts in range), then those
-    variants compiled on `threads` threads. The forwards that follow (`_warm_up`) find them
-    compiled; one that the record missed compiles there, as without this setting."""
+def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: int, threads: int,
+                          recorded_s: float) -> None:
+    """`warm_up_compile_threads`: the fused-MoE kernel's variants that `_warm_up`'s runs
+    recorded, their launches skipped (outputs zeroed: the later layers compute meaningless but
+    finite values, and route to experts in range), compiled on `threads` threads. The runs of
+    the token counts that follow find them compiled; a variant the record missed compiles
+    there, as without this setting."""
     start = time.perf_counter()
-    with deferring_fused_moe_compiles() as deferred:
-        for n in counts:
-            runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
-                              remove_lora=False)
-    recorded = time.perf_counter()
     compiled = compile_in_parallel(deferred.values(), threads)
     logger.info("moe_graphs: %d fused-MoE kernel variants of %d token counts compiled on %d "
-                "threads in %.2f s (recorded in %.2f s)", compiled, len(counts), threads,
-                time.perf_counter() - recorded, recorded - start)
+                "threads in %.2f s (recorded in %.2f s)", compiled, counts, threads,
+                time.perf_counter() - start, recorded_s)
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
