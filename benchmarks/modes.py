@@ -208,11 +208,12 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
-            "plugin_graphs_parallel_warm_up",
+            "plugin_graphs_serial_warm_up",
             Family.PLUGIN,
             True,
-            "plugin_graphs with warm_up_compile_threads 8: the start-up warm-up's fused-MoE "
-            "kernel variants compiled on 8 threads (on request; for the start-up benchmark)",
+            "plugin_graphs with warm_up_compile_threads 0: the start-up warm-up's fused-MoE "
+            "kernel variants compiled one after the other (on request; for the start-up "
+            "benchmark)",
             startup_estimate_s=45.0,
             diagnostic=True,
         ),

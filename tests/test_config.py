@@ -32,10 +32,10 @@ def test_parses_every_field():
     assert fa3.prefill_attention == "flash_attn" and PluginConfig.from_dict(fa3.to_dict()) == fa3
     assert PluginConfig().prefill_attention == "auto"
     assert PluginConfig.from_dict({"prefill_attention": "triton"}).prefill_attention == "triton"
-    assert PluginConfig().warm_up_compile_threads == 0  # the warm-up compiles inline
-    threads = PluginConfig.from_dict({"warm_up_compile_threads": 8})
-    assert threads.warm_up_compile_threads == 8 and PluginConfig.from_dict(
-        threads.to_dict()) == threads
+    assert PluginConfig().warm_up_compile_threads == 8  # fused-MoE compiles on 8 threads
+    serial = PluginConfig.from_dict({"warm_up_compile_threads": 0})
+    assert serial.warm_up_compile_threads == 0 and PluginConfig.from_dict(
+        serial.to_dict()) == serial
 
 
 def test_frozen():

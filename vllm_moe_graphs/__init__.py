@@ -17,7 +17,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool | int]] = {
     "plugin_graphs_decode_only": {"mixed_graphs": False},
     "plugin_graphs_moe_padding": {"skip_moe_padding": False},
     "plugin_graphs_fused_router": {"fuse_moe_padding_mask": True},
-    "plugin_graphs_parallel_warm_up": {"warm_up_compile_threads": 8},
+    "plugin_graphs_serial_warm_up": {"warm_up_compile_threads": 0},
 }
 
 
@@ -37,8 +37,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     with `skip_moe_padding` off (padding rows routed through the MoE experts, as stock vLLM).
     `plugin_graphs_fused_router`: `plugin_graphs` with `fuse_moe_padding_mask` (the padding
     rows' expert ids written by the plugin's routing kernel, no mask launch per MoE layer).
-    `plugin_graphs_parallel_warm_up`: `plugin_graphs` with the start-up warm-up's fused-MoE
-    compiles on 8 threads (`warm_up_compile_threads`).
+    `plugin_graphs_serial_warm_up`: `plugin_graphs` with the start-up warm-up's fused-MoE
+    compiles one after the other (`warm_up_compile_threads: 0`).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

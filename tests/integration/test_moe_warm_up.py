@@ -166,8 +166,38 @@ def test_compile_in_parallel_compiles_on_threads_before_it_returns():
             mode.submit(data, compile_, lambda binary: cache.__setitem__(data, binary))
 
     specs = [(Kernel(), f"variant {i}") for i in range(4)]
-    assert compile_in_parallel(specs, threads=4) == 4
+    assert compile_in_parallel(specs, threads=4) == (4, 0)
     assert cache == {f"variant {i}": f"binary variant {i}" for i in range(4)}
     assert len(threads) == 4 and all(t.startswith("moe_graphs-compile") for t in threads)
     assert _async_compile.active_mode.get() is None
-    assert compile_in_parallel([], threads=4) == 0
+    assert compile_in_parallel([], threads=4) == (0, 0)
+
+
+def test_counting_triton_builds_counts_what_the_disk_cache_lacked(monkeypatch):
+    """Triton's compilation listener reports every compile, with `cache_hit` for a variant its
+    disk cache held; inside the block the builds are counted by kernel name, from any thread,
+    and the listener that was there before hears every compile; on leaving it is back."""
+    import threading
+    import types
+
+    from triton import knobs
+
+    from vllm_moe_graphs.integration.moe_warm_up import counting_triton_builds
+
+    heard: list[bool] = []
+    previous = lambda **kw: heard.append(kw["cache_hit"])  # noqa: E731
+    monkeypatch.setattr(knobs.compilation, "listener", previous)
+
+    def compile_(name: str, hit: bool) -> None:
+        knobs.compilation.listener(src=types.SimpleNamespace(name=name), metadata={},
+                                   metadata_group={}, times=None, cache_hit=hit)
+
+    with counting_triton_builds() as built:
+        compile_("_paged_decode_kernel", True)
+        worker = threading.Thread(target=compile_, args=("fused_moe_kernel", False))
+        worker.start()
+        worker.join()
+        compile_("_write_kv_kernel", False)
+    assert built == ["fused_moe_kernel", "_write_kv_kernel"]
+    assert heard == [True, False, False]
+    assert knobs.compilation.listener is previous

@@ -901,12 +901,16 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     assert capture.captures == 0
 
 
-def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypatch, caplog):
-    """`warm_up_compile_threads`: the decode, prefill and mixed batches and then the fused-MoE
-    token counts first run with Triton's compile hook recording the fused-MoE kernel's
-    uncompiled variants (here each token count asks for one, as Triton's JIT would), those
-    compile on the threads, and only then do the fused-MoE token counts run as without the
-    setting, finding their variants compiled."""
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-node", "warm-triton-cache"])
+def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypatch, caplog,
+                                                                        fresh):
+    """`warm_up_compile_threads`: the decode, prefill and mixed batches run with Triton's
+    compile hook recording the fused-MoE kernel's uncompiled variants (here each token count
+    asks for one, as Triton's JIT would). On a fresh node (Triton builds the attention kernel)
+    the fused-MoE token counts are recorded too, all compile on the threads, and only then do
+    the token counts run, finding their variants compiled. Where Triton's disk cache held the
+    attention kernel, only the batches' variants load on the threads and the token counts run
+    as without the setting."""
     import dataclasses
     import logging
     import types
@@ -932,24 +936,39 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     compiled: dict[str, str] = {}
     events: list[tuple] = []
 
+    def compile_(name: str) -> None:  # Triton's compile tells its listener, hit or build
+        listener = knobs.compilation.listener
+        if listener is not None:
+            listener(src=types.SimpleNamespace(name=name), metadata={}, metadata_group={},
+                     times=None, cache_hit=not fresh)
+
     class FusedMoeKernel:  # the JIT function: compiled variants land in its cache
         def preload(self, data: str) -> None:  # JITFunction.preload under the async mode
+            def build() -> str:
+                compile_("fused_moe_kernel")
+                return f"binary {data}"
+
             _async_compile.active_mode.get().submit(
-                data, lambda: f"binary {data}",
-                lambda binary: (compiled.__setitem__(data, binary),
-                                events.append(("compiled", data))))
+                data, build, lambda binary: (compiled.__setitem__(data, binary),
+                                             events.append(("compiled", data))))
 
     kernel = FusedMoeKernel()
     info = JitFunctionInfo(*DEFERRED_KERNEL, kernel)
 
     def dummy_run(num_tokens, **kw):
+        if kw.get("force_attention") and not events:
+            compile_("_paged_decode_kernel")
         triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
         variant = f"M={num_tokens}"
         if variant in compiled:
             events.append(("ran", num_tokens))
             return
         hook = knobs.runtime.jit_cache_hook  # Triton's JIT before it compiles a variant
-        assert hook is not None, f"{variant} would compile inside the warm-up's run"
+        if hook is None:
+            compile_("fused_moe_kernel")
+            compiled[variant] = f"binary {variant}"
+            events.append(("compiled inline", num_tokens))
+            return
         skipped = hook(key=variant, repr=variant, fn=info,
                        compile={"key": variant, "specialization_data": variant},
                        is_manual_warmup=False, already_compiled=False)
@@ -958,6 +977,7 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     r._dummy_run = dummy_run
     r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.compilation, "listener", None)
     with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
         r.capture_model()
     # decode batches 2 and 4, the prefill batches up to 40 tokens, the mixed batch of 40; then
@@ -966,16 +986,22 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     assert sorted(decode) == [2, 4]
     batches = decode + [n for n in PREFILL_WARM_UP_TOKENS if n <= 40] + [40]
     counts = [1, 15, 17, 39]
-    variants = set(batches + counts)
-    assert [e for e in events if e[0] == "recorded"] == [("recorded", n)
-                                                         for n in batches + counts]
-    assert sorted(compiled) == sorted(f"M={n}" for n in variants)
-    first_run = min(i for i, e in enumerate(events) if e[0] == "ran")
-    assert all(e[0] == "compiled" for e in events[len(batches + counts):first_run])
-    assert events[first_run:] == [("ran", n) for n in counts]
-    assert knobs.runtime.jit_cache_hook is None
+    recorded = batches + counts if fresh else batches
+    variants = set(recorded)
+    assert [e for e in events if e[0] == "recorded"] == [("recorded", n) for n in recorded]
+    assert sorted(e[1] for e in events if e[0] == "compiled") == sorted(f"M={n}"
+                                                                         for n in variants)
+    compiles_end = max(i for i, e in enumerate(events) if e[0] == "compiled") + 1
+    assert all(e[0] == "compiled" for e in events[len(recorded):compiles_end])
+    runs = [("ran", n) for n in counts] if fresh else [("compiled inline", n) for n in counts]
+    assert events[compiles_end:] == runs
+    assert knobs.runtime.jit_cache_hook is None and knobs.compilation.listener is None
+    built = len(variants) if fresh else 0
     assert (f"{len(variants)} fused-MoE kernel variants of {len(variants)} token counts "
-            "compiled on 2 threads") in caplog.text
+            f"(1..40) compiled on 2 threads" if fresh else
+            f"{len(variants)} fused-MoE kernel variants of {len(variants)} token counts "
+            f"(2..40) compiled on 2 threads") in caplog.text
+    assert f"{built} built, the rest from Triton's cache" in caplog.text
 
 
 def test_graph_config_fits_buckets_to_the_engine():

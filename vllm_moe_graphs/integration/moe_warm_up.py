@@ -28,7 +28,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_moe_graphs.integration.patch import moe_config_lookup
 from vllm_moe_graphs.integration.patch.moe_config_lookup import CONFIG_FUNCTION
@@ -169,20 +169,54 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
             pre_run.remove(_zero_output)
 
 
-def compile_in_parallel(specs: Iterable[tuple[Any, str]], threads: int) -> int:
+@contextlib.contextmanager
+def counting_triton_builds() -> Iterator[list[str]]:
+    """Inside the block, each Triton compile its disk cache did not hold (a build, as Triton's
+    compilation listener reports it, from any thread) appends its kernel's name to the yielded
+    list; the listener that was there before hears every compile still."""
+    from triton import knobs
+
+    built: list[str] = []
+    previous = knobs.compilation.listener
+
+    def listen(**kwargs: Any) -> None:
+        if not kwargs.get("cache_hit", False):
+            # list.append: one bytecode, safe from the compile pool's threads
+            built.append(str(getattr(kwargs.get("src"), "name", "?")))
+        if previous is not None:
+            previous(**kwargs)
+
+    knobs.compilation.listener = listen
+    try:
+        yield built
+    finally:
+        if knobs.compilation.listener is listen:
+            knobs.compilation.listener = previous
+
+
+class Compiled(NamedTuple):
+    """What `compile_in_parallel` did: variants compiled into their kernels' caches, and how
+    many of those Triton built (the rest it loaded from its disk cache)."""
+    variants: int
+    built: int
+
+
+def compile_in_parallel(specs: Iterable[tuple[Any, str]], threads: int) -> Compiled:
     """Compile the recorded kernels (`deferring_fused_moe_compiles`) on `threads` threads into
     their JIT functions' caches, through Triton's own kernel preload and asynchronous compile
     mode (Triton's compile spends much of its time in ptxas and other subprocesses, outside
-    the GIL); returns how many were compiled. Raises what a compile raises."""
+    the GIL). Raises what a compile raises."""
     from concurrent.futures import ThreadPoolExecutor
 
     from triton.runtime._async_compile import AsyncCompileMode
 
     specs = list(specs)
     if not specs:
-        return 0
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe_graphs-compile") as pool:
-        with AsyncCompileMode(pool):
-            for jit_function, specialization_data in specs:
-                jit_function.preload(specialization_data)
-    return len(specs)
+        return Compiled(0, 0)
+    with counting_triton_builds() as built:
+        with ThreadPoolExecutor(max_workers=threads,
+                                thread_name_prefix="moe_graphs-compile") as pool:
+            with AsyncCompileMode(pool):
+                for jit_function, specialization_data in specs:
+                    jit_function.preload(specialization_data)
+    return Compiled(len(specs), len(built))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from vllm.config import CUDAGraphMode
 
 from vllm_moe_graphs.integration.moe_warm_up import (
     compile_in_parallel,
+    counting_triton_builds,
     deferring_fused_moe_compiles,
     moe_token_counts,
     recording_moe_configs,
@@ -50,7 +52,7 @@ def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> i
     config, graphs = lifecycle.config, lifecycle.graphs
     warm_up_kernels(runner, graphs, decode_keys=not config.precapture,
                     moe_padding=lifecycle.moe_padding,
-                    compile_threads=config.warm_up_compile_threads)
+                    compile_threads=min(config.warm_up_compile_threads, os.cpu_count() or 1))
     if not config.precapture:
         logger.info("moe_graphs: graphs are captured lazily, on first use of each key "
                     "after %d warm-up steps%s", config.warmup_steps,
@@ -166,11 +168,14 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     # context stays within max_model_len; the slot mapping is -1 (no KV write).
     limit = min(runner.max_num_tokens, runner.max_model_len - 1)
     prefill = [n for n in PREFILL_WARM_UP_TOKENS if n <= limit]
-    # `compile_threads`: every fused-MoE variant these runs meet is recorded (its launch
-    # skipped) and compiled on the threads afterwards (`_compile_moe_variants`).
+    # `compile_threads`: the fused-MoE variants these batches meet are recorded (their launches
+    # skipped); where Triton built any other kernel for them (a fresh node), the token counts'
+    # variants are recorded too, all compiled on the threads before the token counts run;
+    # where its disk cache held every kernel, the recorded variants load from it and the token
+    # counts run as without the setting (recording them would cost more than it saves).
     deferring = deferring_fused_moe_compiles() if compile_threads else contextlib.nullcontext()
-    start = time.perf_counter()
-    with recording_moe_configs() as moe_configs, deferring as deferred:
+    with recording_moe_configs() as moe_configs, counting_triton_builds() as built, \
+            deferring as deferred:
         for key in keys:
             # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
             # execute_model, so no graph, decision or metric sees these batches.
@@ -188,13 +193,14 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
         # any count up to max_num_tokens fits.
         done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
         moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
-        if deferred is not None:
+        fresh = deferred is not None and bool(built)
+        if fresh:
             for n in moe:
                 runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                   skip_eplb=True, remove_lora=False)
     if deferred is not None:
-        _compile_moe_variants(deferred, len(set(done) | set(moe)), compile_threads,
-                              time.perf_counter() - start)
+        _compile_moe_variants(deferred, sorted(set(done) | set(moe if fresh else ())),
+                              compile_threads)
     for n in moe:
         runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                           remove_lora=False)
@@ -204,18 +210,22 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     return len(prefill) + (limit >= 2), len(moe)
 
 
-def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: int, threads: int,
-                          recorded_s: float) -> None:
-    """`warm_up_compile_threads`: the fused-MoE kernel's variants that `_warm_up`'s runs
-    recorded, their launches skipped (outputs zeroed: the later layers compute meaningless but
-    finite values, and route to experts in range), compiled on `threads` threads. The runs of
-    the token counts that follow find them compiled; a variant the record missed compiles
-    there, as without this setting."""
+def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: list[int],
+                          threads: int) -> int:
+    """`warm_up_compile_threads`: the fused-MoE kernel's variants that `_warm_up`'s runs of
+    `counts` tokens recorded, their launches skipped (outputs zeroed: the later layers compute
+    meaningless but finite values, and route to experts in range), compiled on `threads`
+    threads; returns how many Triton built (not in its disk cache). Later runs find them
+    compiled; a variant the record missed compiles there, as without this setting."""
+    if not deferred:  # vLLM's fused-MoE kernel is not Triton's (no GPU), or all compiled
+        return 0
     start = time.perf_counter()
     compiled = compile_in_parallel(deferred.values(), threads)
-    logger.info("moe_graphs: %d fused-MoE kernel variants of %d token counts compiled on %d "
-                "threads in %.2f s (recorded in %.2f s)", compiled, counts, threads,
-                time.perf_counter() - start, recorded_s)
+    logger.info("moe_graphs: %d fused-MoE kernel variants of %d token counts (%d..%d) compiled "
+                "on %d threads in %.2f s, %d built, the rest from Triton's cache",
+                compiled.variants, len(counts), min(counts, default=0), max(counts, default=0),
+                threads, time.perf_counter() - start, compiled.built)
+    return compiled.built
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
