@@ -146,15 +146,23 @@ def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
 
 
 def test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late(tmp_path):
-    """warm_up_compile_threads: the start-up warm-up records the fused-MoE kernel's variants
-    from forwards that skip those launches and compiles them on 8 threads before its own
-    forwards; the `run_mixed` traffic on the Qwen3-30B-A3B shape token-identical to the kill
-    switch, and no fused-MoE variant compiled while serving."""
+    """warm_up_compile_threads (8, the default) on a fresh node (an empty Triton cache): the
+    start-up warm-up records the fused-MoE kernel's variants from forwards that skip those
+    launches and builds them on 8 threads before its own forwards; the `run_mixed` traffic on
+    the Qwen3-30B-A3B shape token-identical to the kill switch, and no fused-MoE variant
+    compiled while serving."""
     summary = run_mixed(tmp_path, "qwen3-30b-a3b", "mixed-parallel-warm-up",
-                        {"skip_moe_padding": True, "warm_up_compile_threads": 8})
+                        {"skip_moe_padding": True, "warm_up_compile_threads": 8},
+                        env_extra={"TRITON_CACHE_DIR": str(tmp_path / "triton-cache")})
     report("parity-mixed-parallel-warm-up", summary)
-    compiled = [ln for ln in summary["log_lines"] if "fused-MoE kernel variants of" in ln]
-    assert compiled and "compiled on 8 threads" in compiled[0], summary["log_lines"]
+    lines = "\n".join(summary["log_lines"])
+    compiled = re.search(r"(\d+) fused-MoE kernel variants of (\d+) token counts \S+ compiled "
+                         r"on 8 threads in [\d.]+ s, (\d+) built", lines)
+    warmed = re.search(r"warmed up before serving \(.*?(\d+) fused-MoE token counts", lines)
+    assert compiled and warmed, summary["log_lines"]
+    variants, counts, built = map(int, compiled.groups())
+    # every variant built, the warm-up's fused-MoE token counts recorded besides its batches
+    assert built == variants > 0 and counts > int(warmed.group(1)) > 0, compiled.group(0)
     (row,) = summary["rows"]
     assert row["identical_sequences"] == row["sequences"], row
     assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
