@@ -122,7 +122,7 @@ class PluginConfig:
     # (integration/moe_warm_up.py: recorded from forwards that skip those launches, then
     # compiled through Triton's asynchronous compile), at most the machine's CPU count; 0: one
     # after the other, inside the warm-up's forwards. On a fresh node those compiles are most
-    # of the start-up of Qwen3-30B-A3B (29 s of 41 s on the H200, one after the other).
+    # of the start-up of Qwen3-30B-A3B (25 s of 37 s on the H200, one after the other).
     warm_up_compile_threads: int = 8
 
     @classmethod

@@ -211,21 +211,21 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
 
 
 def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: list[int],
-                          threads: int) -> int:
+                          threads: int) -> None:
     """`warm_up_compile_threads`: the fused-MoE kernel's variants that `_warm_up`'s runs of
     `counts` tokens recorded, their launches skipped (outputs zeroed: the later layers compute
     meaningless but finite values, and route to experts in range), compiled on `threads`
-    threads; returns how many Triton built (not in its disk cache). Later runs find them
-    compiled; a variant the record missed compiles there, as without this setting."""
+    threads (logged with how many Triton built, the rest loaded from its disk cache). Later
+    runs find them compiled; a variant the record missed compiles there, as without this
+    setting."""
     if not deferred:  # vLLM's fused-MoE kernel is not Triton's (no GPU), or all compiled
-        return 0
+        return
     start = time.perf_counter()
     compiled = compile_in_parallel(deferred.values(), threads)
     logger.info("moe_graphs: %d fused-MoE kernel variants of %d token counts (%d..%d) compiled "
                 "on %d threads in %.2f s, %d built, the rest from Triton's cache",
                 compiled.variants, len(counts), min(counts, default=0), max(counts, default=0),
                 threads, time.perf_counter() - start, compiled.built)
-    return compiled.built
 
 
 def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
