@@ -1004,6 +1004,37 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     assert f"{built} built, the rest from Triton's cache" in caplog.text
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_warm_up_touches_tritons_knobs_only_with_compile_threads(monkeypatch, threads):
+    """`warm_up_compile_threads: 0` (the setting's rollback) runs the warm-up with Triton's
+    compile hook and compilation listener as they were; with threads the warm-up installs its
+    own for its batches; after it, both are back either way."""
+    import dataclasses
+    import types
+
+    from triton import knobs
+
+    def hook(**kwargs):
+        return None
+
+    def listener(**kwargs):
+        return None
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    monkeypatch.setattr(knobs.compilation, "listener", listener)
+    r, _, _ = _stepping_runner(warmup_steps=1)
+    r.max_model_len, r.max_num_tokens = 64, 40
+    r.moe_graphs.config = dataclasses.replace(r.moe_graphs.config,
+                                              warm_up_compile_threads=threads)
+    seen: list[bool] = []
+    r._dummy_run = lambda n, **kw: seen.append(knobs.runtime.jit_cache_hook is hook
+                                               and knobs.compilation.listener is listener)
+    r.input_batch.block_table = types.SimpleNamespace(compute_slot_mapping=lambda *a: None)
+    r.capture_model()
+    assert seen and seen == [threads == 0] * len(seen)
+    assert knobs.runtime.jit_cache_hook is hook and knobs.compilation.listener is listener
+
+
 def test_graph_config_fits_buckets_to_the_engine():
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs.buckets import graph_config

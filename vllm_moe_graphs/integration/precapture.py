@@ -173,9 +173,11 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     # variants are recorded too, all compiled on the threads before the token counts run;
     # where its disk cache held every kernel, the recorded variants load from it and the token
     # counts run as without the setting (recording them would cost more than it saves).
+    # NOTE: with `compile_threads` 0 neither of Triton's knobs is touched (the setting's
+    # rollback runs the warm-up exactly as before it existed).
     deferring = deferring_fused_moe_compiles() if compile_threads else contextlib.nullcontext()
-    with recording_moe_configs() as moe_configs, counting_triton_builds() as built, \
-            deferring as deferred:
+    counting = counting_triton_builds() if compile_threads else contextlib.nullcontext([])
+    with recording_moe_configs() as moe_configs, counting as built, deferring as deferred:
         for key in keys:
             # NOTE: eager (NONE) with attention metadata; the runner decides nothing outside
             # execute_model, so no graph, decision or metric sees these batches.
