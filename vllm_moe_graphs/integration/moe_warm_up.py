@@ -133,19 +133,6 @@ def _zero_output(*args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _installed(namespace: Any, name: str, hook: Callable[..., Any]) -> Iterator[None]:
-    """`hook` as Triton's knob `namespace.name` inside the block; on leaving, the knob's
-    previous value is back unless something else replaced `hook` meanwhile."""
-    previous = getattr(namespace, name)
-    setattr(namespace, name, hook)
-    try:
-        yield
-    finally:
-        if getattr(namespace, name) is hook:
-            setattr(namespace, name, previous)
-
-
-@contextlib.contextmanager
 def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
     """Inside the block, a compile of `DEFERRED_KERNEL` that Triton's JIT is about to run is
     recorded instead (the yielded dict: its cache key -> the JIT function and Triton's
@@ -170,12 +157,14 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
             return True  # Triton's JIT: no compile, no launch
         return previous(**kwargs) if previous is not None else None
 
+    knobs.runtime.jit_cache_hook = record
     if pre_run is not None:
         pre_run.append(_zero_output)
     try:
-        with _installed(knobs.runtime, "jit_cache_hook", record):
-            yield found
+        yield found
     finally:
+        if knobs.runtime.jit_cache_hook is record:
+            knobs.runtime.jit_cache_hook = previous
         if pre_run is not None and _zero_output in pre_run:
             pre_run.remove(_zero_output)
 
@@ -197,8 +186,12 @@ def counting_triton_builds() -> Iterator[list[str]]:
         if previous is not None:
             previous(**kwargs)
 
-    with _installed(knobs.compilation, "listener", listen):
+    knobs.compilation.listener = listen
+    try:
         yield built
+    finally:
+        if knobs.compilation.listener is listen:
+            knobs.compilation.listener = previous
 
 
 class Compiled(NamedTuple):
