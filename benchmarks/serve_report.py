@@ -6,7 +6,8 @@ means B is faster), for metric in RATIO_METRICS with B = plugin and A each stock
 `otps_plugin_over_<A>/...`, output tokens/s of the plugin over A's (> 1 means the plugin serves
 more). A merged file lists the ratios whose rows come from two runs (`ratios_across_runs`).
 `ratio_intervals` holds, under the same keys, each latency ratio's bootstrap interval from the
-rows' per-request samples: how far the window's own sampling can move it.
+rows' per-request samples (paired within a run, apart across runs): how far the windows' own
+sampling can move it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ RATIO_METRICS = {  # ratio metric -> (row field, statistic)
 # takes over. Throughput alone cannot tell: with short windows the drain of the last requests
 # weighs more than any backlog, and vLLM admits up to max_num_seqs requests before it queues.
 LATENCY_KNEE = 4.0
-# A latency ratio's interval (`ratio_intervals`): the paired bootstrap's central INTERVAL_LEVEL
-# of RESAMPLES resamples of the requests both modes completed, where at least MIN_PAIRED did.
+# A latency ratio's interval (`ratio_intervals`): the bootstrap's central INTERVAL_LEVEL of
+# RESAMPLES resamples of the requests both modes completed (rows of one run) or of each row's
+# completed requests (rows of two runs), where at least MIN_PAIRED are there to resample.
 INTERVAL_LEVEL = 0.95
 RESAMPLES = 2000
 MIN_PAIRED = 8
@@ -86,11 +88,14 @@ def compute_ratios(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 def ratio_intervals(rows: Iterable[Mapping[str, Any]], resamples: int = RESAMPLES
                     ) -> dict[str, list[float]]:
     """The INTERVAL_LEVEL bootstrap interval [low, high] of every latency ratio whose two rows
-    keep per-request `samples`: the requests both modes completed are resampled in pairs (every
-    mode is offered the same requests, so request i is the same prompt in both), and the ratio's
-    percentile of each resample is taken. The resamples are seeded by the key, so an interval is
-    the same in every file that holds its rows. Rows without samples, or with fewer than
-    MIN_PAIRED paired requests, get none."""
+    keep per-request `samples`. Two rows of one run were offered the same requests (request i is
+    the same prompt in both), so the requests both completed are resampled in pairs. Rows of two
+    runs (`run`, set by `merge`) or of request lists of unequal length are resampled apart, each
+    over its own completed requests: pairing them by index would pair different prompts, and
+    truncating the longer one would move its statistic away from the row's. Each resample's
+    ratio of percentiles is taken. The resamples are seeded by the key, so an interval is the
+    same in every file that holds its rows. Rows without samples, or with fewer than MIN_PAIRED
+    requests to resample (paired, or in either row), get none."""
     import numpy as np
 
     out = {}
@@ -99,16 +104,22 @@ def ratio_intervals(rows: Iterable[Mapping[str, Any]], resamples: int = RESAMPLE
         if metric not in RATIO_METRICS:
             continue
         field, stat = RATIO_METRICS[metric]
-        a, b = ((r.get("samples") or {}).get(field) or [] for r in (row, plugin))
-        paired = [(x, y) for x, y in zip(a, b) if x is not None and y]
-        if len(paired) < MIN_PAIRED:
-            continue
-        values = np.array(paired)
-        rng = np.random.default_rng(zlib.crc32(key.encode()))
-        picks = values[rng.integers(0, len(paired), size=(resamples, len(paired)))]
         q = float(stat[1:])
-        ratios = np.percentile(picks[:, :, 0], q, axis=1) / np.percentile(picks[:, :, 1], q,
-                                                                           axis=1)
+        a, b = ((r.get("samples") or {}).get(field) or [] for r in (row, plugin))
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        if row.get("run") == plugin.get("run") and len(a) == len(b):
+            paired = np.array([(x, y) for x, y in zip(a, b) if x is not None and y],
+                              dtype=float).reshape(-1, 2)
+            if len(paired) < MIN_PAIRED:
+                continue
+            picks = paired[rng.integers(0, len(paired), size=(resamples, len(paired)))]
+            tops, bottoms = picks[:, :, 0], picks[:, :, 1]
+        else:
+            own = [np.array([v for v in s if v is not None], dtype=float) for s in (a, b)]
+            if min(len(v) for v in own) < MIN_PAIRED:
+                continue
+            tops, bottoms = (v[rng.integers(0, len(v), size=(resamples, len(v)))] for v in own)
+        ratios = np.percentile(tops, q, axis=1) / np.percentile(bottoms, q, axis=1)
         out[key] = [round(float(v), 3) for v in np.percentile(ratios, [tail, 100 - tail])]
     return out
 
@@ -276,7 +287,8 @@ def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
 def merge(paths: list[str], name: str, results_dir: Path) -> int:
     """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed. Each
     row keeps the name of the file it was measured in (`run`), and the ratios between rows of
-    two runs are listed under `ratios_across_runs`."""
+    two runs are listed under `ratios_across_runs`. `env.merged_from` lists the input files, or
+    for an input that was merged itself the files it lists."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     for p, d in zip(paths, docs):
         check_schema(d)
@@ -290,9 +302,16 @@ def merge(paths: list[str], name: str, results_dir: Path) -> int:
                      for r in d["rows"]})
         modes.update(d["modes"])
         workloads.update(d["workloads"])
-        skipped += d.get("skipped", [])
-    env = {**docs[-1]["env"], "merged_from": [{"file": Path(p).name, "date": d["env"].get("date"),
-                                               "git_commit": d["env"].get("git_commit")}
-                                              for p, d in zip(paths, docs)]}
+        skipped += [s for s in d.get("skipped", []) if s not in skipped]
+    # a merged input brings the runs it was merged from, so merging again loses none of them
+    sources = [src for p, d in zip(paths, docs)
+               for src in d["env"].get("merged_from") or [
+                   {"file": Path(p).name, "date": d["env"].get("date"),
+                    "git_commit": d["env"].get("git_commit")}]]
+    env = {**docs[-1]["env"],
+           "merged_from": [src for i, src in enumerate(sources) if src not in sources[:i]]}
+    # a point skipped in one run and measured in another is no longer skipped
+    measured = {f"{m}/{w}/{rate_label(r)}" for m, w, r in rows}
+    skipped = [s for s in skipped if s.split(": ", 1)[0] not in measured]
     doc = assemble(name, docs[0]["model"], env, workloads, modes, list(rows.values()), skipped)
     return finish(doc, results_dir, False)

@@ -439,6 +439,24 @@ def test_ratio_intervals_need_samples_of_enough_paired_requests():
         serve_report.format_table(doc)
 
 
+def test_ratio_intervals_of_rows_from_two_runs_resample_each_row_on_its_own():
+    # the plugin's row ran 64 requests, the slow ones late; stock_triton's ran 32 in another
+    # run: pairing request i with request i would compare the plugin's first 32 only
+    plugin = [10.0 + i % 7 for i in range(32)] + [40.0 + i % 5 for i in range(32)]
+    rows = [{**_sampled_row("plugin", plugin), "run": "a.json"},
+            {**_sampled_row("stock_triton", [30.0 + i % 5 for i in range(32)]), "run": "b.json"}]
+    ratios, iv = serve_report.compute_ratios(rows), serve_report.ratio_intervals(rows)
+    for key in ("ttft_p50_stock_triton_over_plugin/m/chat/r16",
+                "ttft_p99_stock_triton_over_plugin/m/chat/r16"):
+        assert iv[key][0] <= ratios[key] <= iv[key][1], (key, ratios[key], iv[key])
+    # one run but request lists of unequal length: not the same requests, so not paired either
+    rows = [{**r, "run": None} for r in rows]
+    assert serve_report.ratio_intervals(rows) == iv
+    # each row needs MIN_PAIRED completed requests of its own
+    rows[1]["samples"]["ttft_ms"][serve_report.MIN_PAIRED - 1:] = [None] * 32
+    assert serve_report.ratio_intervals(rows) == {}
+
+
 def test_a_result_file_carries_the_intervals_and_its_table_prints_them(tmp_path):
     rows = [_sampled_row("plugin", [10.0 + i % 7 for i in range(40)]),
             _sampled_row("stock", [20.0 + i % 5 for i in range(40)])]
@@ -595,10 +613,26 @@ def test_merge_keeps_each_rows_run_and_lists_ratios_across_runs(tmp_path, capsys
              if ln.startswith("  ") and "_over_" in ln}
     assert table["ttft_p50_stock_over_plugin/m/chat/r4"].endswith(" *")
     assert not table["ttft_p50_stock_over_plugin/m/chat/r16"].endswith("*")
-    # merging the merged file again keeps each row's first run
+    # merging the merged file again keeps each row's first run and the files it came from
     assert serve_report.merge([str(tmp_path / "ab.json")], "ab2", tmp_path) == 0
     again = json.loads((tmp_path / "ab2.json").read_text())
     assert again["ratios_across_runs"] == across
+    assert [src["file"] for src in again["env"]["merged_from"]] == ["a.json", "b.json"]
+
+
+def test_merge_drops_a_skipped_point_that_another_run_measured(tmp_path):
+    section = serve_report.workloads_section([(WORKLOADS["chat"], [4, 16])])
+    a = serve_report.assemble("a", "m", {}, section, {"plugin": {}, "stock": {}},
+                              [_row("plugin", 4, 10.0, 1.0, 810.0),
+                               _row("stock", 4, 20.0, 2.0, 800.0)],
+                              ["stock/chat/r16: time budget", "plugin/chat/r16: time budget"])
+    b = serve_report.assemble("b", "m", {}, section, {"stock": {}},
+                              [_row("stock", 16, 50.0, 2.5, 2900.0)],
+                              ["stock/chat/r16: time budget"])
+    paths = [str(serve_report.write(d, tmp_path)) for d in (a, b)]
+    assert serve_report.merge(paths, "ab", tmp_path) == 0
+    doc = json.loads((tmp_path / "ab.json").read_text())
+    assert doc["skipped"] == ["plugin/chat/r16: time budget"]
 
 
 # -- CLI ----------------------------------------------------------------------------------------
