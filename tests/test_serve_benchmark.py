@@ -628,11 +628,11 @@ def test_merge_drops_a_skipped_point_that_another_run_measured(tmp_path):
                               ["stock/chat/r16: time budget", "plugin/chat/r16: time budget"])
     b = serve_report.assemble("b", "m", {}, section, {"stock": {}},
                               [_row("stock", 16, 50.0, 2.5, 2900.0)],
-                              ["stock/chat/r16: time budget"])
+                              ["stock/long/r2: time budget"])
     paths = [str(serve_report.write(d, tmp_path)) for d in (a, b)]
     assert serve_report.merge(paths, "ab", tmp_path) == 0
     doc = json.loads((tmp_path / "ab.json").read_text())
-    assert doc["skipped"] == ["plugin/chat/r16: time budget"]
+    assert doc["skipped"] == ["plugin/chat/r16: time budget", "stock/long/r2: time budget"]
 
 
 # -- CLI ----------------------------------------------------------------------------------------
