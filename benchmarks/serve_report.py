@@ -108,8 +108,7 @@ def ratio_intervals(rows: Iterable[Mapping[str, Any]], resamples: int = RESAMPLE
         a, b = ((r.get("samples") or {}).get(field) or [] for r in (row, plugin))
         rng = np.random.default_rng(zlib.crc32(key.encode()))
         if row.get("run") == plugin.get("run") and len(a) == len(b):
-            paired = np.array([(x, y) for x, y in zip(a, b) if x is not None and y],
-                              dtype=float).reshape(-1, 2)
+            paired = np.array([(x, y) for x, y in zip(a, b) if x is not None and y])
             if len(paired) < MIN_PAIRED:
                 continue
             picks = paired[rng.integers(0, len(paired), size=(resamples, len(paired)))]
