@@ -201,3 +201,29 @@ def test_counting_triton_builds_counts_what_the_disk_cache_lacked(monkeypatch):
     assert built == ["fused_moe_kernel", "_write_kv_kernel"]
     assert heard == [True, False, False]
     assert knobs.compilation.listener is previous
+
+
+def test_deferring_fused_moe_compiles_restores_both_hooks_when_the_block_raises(monkeypatch):
+    """A warm-up that raises inside the block leaves Triton's JIT hook and the kernel's pre-run
+    hooks as they were; a kernel without pre-run hooks (vLLM without a GPU) is left alone."""
+    import types
+
+    from triton import knobs
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    from vllm_moe_graphs.integration.moe_warm_up import deferring_fused_moe_compiles
+
+    previous = knobs.runtime.jit_cache_hook
+    jit = types.SimpleNamespace(pre_run_hooks=["theirs"])
+    monkeypatch.setattr(fused_moe, "fused_moe_kernel", jit)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        with deferring_fused_moe_compiles():
+            assert jit.pre_run_hooks[0] == "theirs" and len(jit.pre_run_hooks) == 2
+            raise RuntimeError("warm-up failed")
+    assert jit.pre_run_hooks == ["theirs"] and knobs.runtime.jit_cache_hook is previous
+
+    plain = object()
+    monkeypatch.setattr(fused_moe, "fused_moe_kernel", plain)
+    with deferring_fused_moe_compiles():
+        assert knobs.runtime.jit_cache_hook is not previous
+    assert knobs.runtime.jit_cache_hook is previous

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from vllm_moe_graphs.integration.patch import moe_config_lookup
+from vllm_moe_graphs.integration.patch import fused_moe_pre_run, moe_config_lookup
 from vllm_moe_graphs.integration.patch.moe_config_lookup import CONFIG_FUNCTION
 
 logger = logging.getLogger("vllm.moe_graphs")
@@ -144,10 +144,6 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
 
     found: dict[str, tuple[Any, str]] = {}
     previous = knobs.runtime.jit_cache_hook
-    # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
-    # variant, so they run whether or not the launch is skipped (vLLM without a GPU leaves a
-    # plain function: nothing to hook, nothing compiles).
-    pre_run = getattr(getattr(fused_moe, DEFERRED_KERNEL[1], None), "pre_run_hooks", None)
 
     def record(**kwargs: Any) -> Any:
         info = kwargs["fn"]
@@ -158,15 +154,15 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
         return previous(**kwargs) if previous is not None else None
 
     knobs.runtime.jit_cache_hook = record
-    if pre_run is not None:
-        pre_run.append(_zero_output)
     try:
-        yield found
+        # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
+        # variant, so the zeroing runs whether or not the launch is skipped.
+        with fused_moe_pre_run.appended(getattr(fused_moe, DEFERRED_KERNEL[1], None),
+                                        _zero_output):
+            yield found
     finally:
         if knobs.runtime.jit_cache_hook is record:
             knobs.runtime.jit_cache_hook = previous
-        if pre_run is not None and _zero_output in pre_run:
-            pre_run.remove(_zero_output)
 
 
 @contextlib.contextmanager
