@@ -21,16 +21,16 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def appended(kernel: Any, hook: Callable[..., None]) -> Iterator[bool]:
-    """Inside the block `hook` is the last of `kernel.pre_run_hooks`; yields whether the kernel
-    has that list (False: nothing was touched)."""
+def appended(kernel: Any, hook: Callable[..., None]) -> Iterator[None]:
+    """Inside the block `hook` is the last of `kernel.pre_run_hooks`, where the kernel has
+    that list."""
     hooks = getattr(kernel, "pre_run_hooks", None)
     if hooks is None:
-        yield False
+        yield
         return
     hooks.append(hook)
     try:
-        yield True
+        yield
     finally:
         if hook in hooks:
             hooks.remove(hook)
