@@ -16,6 +16,11 @@
 # end-to-end tests are host-bound, one core per engine: lanes fit several into one call). Each
 # lane's engines then get a fixed KV cache (MOE_GRAPHS_TEST_KV_CACHE_GIB, default 4) instead of
 # a profiled share, see tests/gpu_util.engine_memory_kwargs. Never use lanes for timings.
+# Each lane's engines also take their torch.distributed port from a range of their own
+# (VLLM_PORT=20000 + 1000 x lane, below Linux's ephemeral ports; vLLM scans up from it to the
+# first free one): vLLM's default asks the kernel for a free port and binds it later, and
+# lanes starting engines in the same second can lose that race (EADDRINUSE at an engine's
+# start, a failed test that says nothing about the plugin).
 #
 # Writes under $OUT:
 #   pytest.txt (one lane) or pytest-<lane>.txt    the whole pytest output
@@ -63,11 +68,13 @@ if [ ${#lanes[@]} -gt 1 ]; then export MOE_GRAPHS_TEST_KV_CACHE_GIB=${MOE_GRAPHS
 left=$((GUARD_S - ($(date +%s) - T0) - 15))
 pids=()
 for i in "${!lanes[@]}"; do
-  name=pytest; base=/tmp/gpu-tests
-  if [ ${#lanes[@]} -gt 1 ]; then name=pytest-$i; base=/tmp/gpu-tests-$i; fi
-  echo "[tests.sh] lane $i: pytest ${lanes[$i]} (guard ${left}s) -> $name.txt"
-  eval "timeout --kill-after=5 $left python3 -m pytest -v -rA --durations=0 --basetemp=$base \
-    ${lanes[$i]}" >"$OUT/$name.txt" 2>&1 &
+  name=pytest; base=/tmp/gpu-tests; port=
+  if [ ${#lanes[@]} -gt 1 ]; then
+    name=pytest-$i; base=/tmp/gpu-tests-$i; port="VLLM_PORT=$((20000 + 1000 * i))"
+  fi
+  echo "[tests.sh] lane $i: pytest ${lanes[$i]} (guard ${left}s${port:+, $port}) -> $name.txt"
+  eval "$port timeout --kill-after=5 $left python3 -m pytest -v -rA --durations=0 \
+    --basetemp=$base ${lanes[$i]}" >"$OUT/$name.txt" 2>&1 &
   pids+=($!)
 done
 rc=0
