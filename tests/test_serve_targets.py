@@ -3,6 +3,7 @@ headline table, which must be what the committed result files say."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,6 +102,27 @@ def test_readme_headline_table_is_what_the_committed_results_say():
              and any(f"| {w} |" in ln for w in WORKLOADS)]  # any workload's row, chat_sampled too
     assert table == rows, "README's serving table differs from `benchmarks.serve targets`"
     assert "targets against stock" in proc.stdout
+
+
+def test_committed_merged_results_list_the_run_of_every_row():
+    """A merged serving result names, in `env.merged_from`, every run one of its rows was
+    measured in (with its date and commit), so each number can be traced to its run."""
+    merged = 0
+    for name in sorted(os.listdir(RESULTS)):
+        if not (name.startswith(("h100-serve-", "h200-serve-")) and name.endswith(".json")):
+            continue  # the serving benchmark's results, by the GPU they ran on
+        with open(os.path.join(RESULTS, name)) as f:
+            doc = json.load(f)
+        sources = doc["env"].get("merged_from")
+        runs = {r["run"] for r in doc["rows"] if "run" in r}
+        if not sources:
+            assert not runs - {name}, (name, runs)
+            continue
+        merged += 1
+        files = [s["file"] for s in sources]
+        assert runs <= set(files), (name, sorted(runs - set(files)))
+        assert all(s.get("date") and s.get("git_commit") for s in sources), (name, sources)
+    assert merged >= 2
 
 
 def test_coverage_lists_missing_modes_rates_offload_failures_and_client_lag():
