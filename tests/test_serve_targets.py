@@ -119,8 +119,8 @@ def test_committed_merged_results_list_the_run_of_every_row():
             assert not runs - {name}, (name, runs)
             continue
         merged += 1
-        files = [s["file"] for s in sources]
-        assert runs <= set(files), (name, sorted(runs - set(files)))
+        files = {s["file"] for s in sources}
+        assert runs <= files, (name, sorted(runs - files))
         assert all(s.get("date") and s.get("git_commit") for s in sources), (name, sources)
     assert merged >= 2
 
