@@ -12,11 +12,15 @@ the first mode pays what the later ones find done. Here:
 1. **prime**: a throwaway process imports torch, vLLM and the plugin, initialises CUDA and
    resolves the model config (vLLM's model inspection) with throwaway caches. The machine's
    one-time costs are paid before anything is timed.
-2. **cold round**: the modes in the order given, each with its own new, empty cache directories
-   (`VLLM_CACHE_ROOT`, `TRITON_CACHE_DIR`, `TRITON_HOME`, `TORCHINDUCTOR_CACHE_DIR`,
-   `XDG_CACHE_HOME`, `CUDA_CACHE_PATH`): the first start of an operator's fresh node or container.
+2. **cold rounds** (`--cold-rounds`, default 1): every mode, each start with its own new, empty
+   cache directories (`VLLM_CACHE_ROOT`, `TRITON_CACHE_DIR`, `TRITON_HOME`,
+   `TORCHINDUCTOR_CACHE_DIR`, `XDG_CACHE_HOME`, `CUDA_CACHE_PATH`): the first start of an
+   operator's fresh node or container. The first cold round runs the modes in the order given;
+   each further one starts with the next mode, so with as many cold rounds as modes every mode
+   is once the first start after the prime (a cold start varies by a few seconds from run to run,
+   and the first one after the prime has been both the slowest and the fastest of its run).
 3. **warm rounds** (`--warm-rounds`): every mode again, in a fresh process, with the caches its
-   own cold start filled; the first mode rotates from round to round: a restart.
+   own last cold start filled; the first mode rotates from round to round: a restart.
 
 Every start runs the mode worker (`benchmarks._mode_worker`) for one point (`--batch` requests of
 `--context` prompt tokens, `--decode-tokens` timed steps, one repeat). Recorded per start:
@@ -99,8 +103,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", type=lambda t: [v for v in t.replace(" ", "").split(",") if v],
                     default=list(DEFAULT_MODES),
                     help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)})")
+    ap.add_argument("--cold-rounds", type=int, default=1,
+                    help="cold starts per mode, each with new empty caches, the first mode "
+                    "rotating from round to round (default: 1)")
     ap.add_argument("--warm-rounds", type=int, default=2,
-                    help="warm starts per mode after its cold one (default: 2)")
+                    help="warm starts per mode after its cold ones (default: 2)")
     ap.add_argument("--batch", type=int, default=8, help="requests of the first point (default 8)")
     ap.add_argument("--context", type=int, default=512,
                     help="prompt tokens of the first point (default 512)")
@@ -129,6 +136,8 @@ def parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> list[Mode]:
     modes = parse_modes(args.modes)
+    if args.cold_rounds < 1:
+        raise ValueError(f"--cold-rounds must be >= 1, got {args.cold_rounds}")
     if args.warm_rounds < 0:
         raise ValueError(f"--warm-rounds must be >= 0, got {args.warm_rounds}")
     for name in ("batch", "context", "decode_tokens"):
@@ -141,12 +150,19 @@ def validate_args(args: argparse.Namespace) -> list[Mode]:
     return modes
 
 
-def schedule(modes: list[Mode], warm_rounds: int) -> list[tuple[int, Mode]]:
-    """(round, mode) in start order: round 0 (cold) in the given order, then the warm rounds
-    with the first mode rotating."""
-    return [(0, m) for m in modes] + [
-        (r, m) for r in range(1, warm_rounds + 1) for m in sweep.rotation(modes, r)
-    ]
+def schedule(modes: list[Mode], warm_rounds: int, cold_rounds: int = 1
+             ) -> list[tuple[int, Mode]]:
+    """(round, mode) in start order: rounds 0 .. cold_rounds - 1 are cold, round k starting
+    with mode k (modulo their count); then the warm rounds, the first of them starting with
+    the second mode, each further one with the next."""
+    cold = [(r, m) for r in range(cold_rounds) for m in sweep.rotation(modes, r)]
+    return cold + [(cold_rounds - 1 + w, m) for w in range(1, warm_rounds + 1)
+                   for m in sweep.rotation(modes, w)]
+
+
+def cache_dir(work_dir: Path, mode: str, rnd: int, cold_rounds: int) -> Path:
+    """The caches of a start: new ones for each cold round, the last cold round's when warm."""
+    return work_dir / f"cache-{mode}-c{min(rnd, cold_rounds - 1)}"
 
 
 def prime(config_dir: Path, work_dir: Path, allow_cpu: bool) -> dict[str, Any]:
@@ -177,7 +193,7 @@ def jit_in_requests(log_text: str) -> list[str]:
     return sorted(set(JIT_RECORD.findall(log_text)))
 
 
-def run_row(result: WorkerResult, rnd: int, order: int, wall_s: float,
+def run_row(result: WorkerResult, rnd: int, cold: bool, order: int, wall_s: float,
             error: str | None, log_text: str = "") -> dict[str, Any]:
     point = result.points[0] if result.points else None
     first = None
@@ -186,7 +202,7 @@ def run_row(result: WorkerResult, rnd: int, order: int, wall_s: float,
                  "prefill_s": point.prefill_s[0] if point.prefill_s else None,
                  "tpot_p50_ms": point.repeat_p50_ms[0] if point.repeat_p50_ms else None}
     return {
-        "mode": result.mode, "round": rnd, "cache": "cold" if rnd == 0 else "warm",
+        "mode": result.mode, "round": rnd, "cache": "cold" if cold else "warm",
         "order": order, "status": result.status, "error": error,
         "import_s": result.import_s, "startup_s": result.startup_s,
         "init_engine_s": result.resolved.get("init_engine_s"), "compile_s": result.compile_s,
@@ -251,15 +267,16 @@ def summarise(runs: list[dict[str, Any]], modes: list[Mode]) -> dict[str, Any]:
 
 def format_table(doc: dict[str, Any]) -> str:
     lines = ["", "start-up to ready (s), median [samples]; first point wall (s); both: ready + "
-             "first point", f"{'mode':<24}{'cold':>10}{'warm':>10}  warm samples"
-             f"{'':<14}{'1st pt cold':>12}{'1st pt warm':>12}{'both warm':>11}"]
+             "first point", f"{'mode':<24}{'cold':>10}{'warm':>10}  cold / warm samples"
+             f"{'':<7}{'1st pt cold':>12}{'1st pt warm':>12}{'both warm':>11}"]
 
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     for name, e in doc["summary"]["modes"].items():
         c, w = e["cold"], e["warm"]
-        samples = ", ".join(f"{s:.1f}" for s in w["startup_samples_s"])
+        samples = " / ".join(", ".join(f"{s:.1f}" for s in e[k]["startup_samples_s"]) or "-"
+                             for k in ("cold", "warm"))
         lines.append(f"{name:<24}{f(c['startup_s']):>10}{f(w['startup_s']):>10}  {samples:<26}"
                      f"{f(c['first_point_s']):>12}{f(w['first_point_s']):>12}"
                      f"{f(w['ready_and_first_point_s']):>11}")
@@ -300,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
                                max_model_len=mml, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"start-up benchmark: {args.model}, modes {', '.join(m.name for m in modes)}, "
-          f"{args.warm_rounds} warm round(s); logs and caches in {work_dir}", flush=True)
+          f"{args.cold_rounds} cold and {args.warm_rounds} warm round(s); logs and caches in {work_dir}", flush=True)
     primed = prime(config_dir, work_dir, args.allow_cpu)
     print(f"[startup] prime: {primed}", flush=True)
     if "error" in primed:
@@ -311,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[dict[str, Any]] = []
     results: list[WorkerResult] = []
     estimates: dict[str, float] = {}  # the estimated wall of a mode's next start
-    for order, (rnd, mode) in enumerate(schedule(modes, args.warm_rounds)):
+    plan = schedule(modes, args.warm_rounds, args.cold_rounds)
+    for order, (rnd, mode) in enumerate(plan):
+        cold = rnd < args.cold_rounds
         now = time.time()
         est = estimates.get(mode.name, mode.startup_estimate_s + MEASURE_ESTIMATE_S)
         if t_end is not None and t_end - now < est:
@@ -322,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
         spec = WorkerSpec(
             model=args.model, config_dir=str(config_dir), mode=mode.name,
             llm_kwargs=mode.llm_kwargs(common),
-            env={**mode.worker_env(), **cache_env(work_dir / f"cache-{mode.name}")},
+            env={**mode.worker_env(),
+                 **cache_env(cache_dir(work_dir, mode.name, rnd, args.cold_rounds))},
             batches=[args.batch], contexts=[args.context], repeats=1,
             decode_tokens=args.decode_tokens, warmup_steps=args.warmup_steps,
             vocab_size=int(cfg["vocab_size"]), seed=args.seed,
@@ -330,18 +350,18 @@ def run(args: argparse.Namespace) -> int:
             hard_deadline=t_end)
         limit = args.mode_timeout_s if t_end is None else min(args.mode_timeout_s,
                                                               t_end - now + sweep.KILL_GRACE_S)
-        print(f"[startup] {order + 1}. {mode.name} {'cold' if rnd == 0 else 'warm'} "
+        print(f"[startup] {order + 1}. {mode.name} {'cold' if cold else 'warm'} "
               f"(round {rnd})", flush=True)
         t0 = time.monotonic()
         result, error = sweep.run_worker(spec, work_dir, limit, extra_args)
         wall = time.monotonic() - t0
-        # The next start is warm: after the cold one, its wall minus the cold start-up plus a
-        # guess of a warm start-up; after a warm one, that wall.
-        estimates[mode.name] = wall if rnd else max(
+        # The next start of this mode: after its last cold one (warm next), that wall minus the
+        # cold start-up plus a guess of a warm start-up; otherwise the wall just measured.
+        estimates[mode.name] = wall if rnd != args.cold_rounds - 1 else max(
             0.0, wall - (result.startup_s or 0.0)) + WARM_STARTUP_GUESS_S
         results.append(result)
         log = work_dir / f"log-{args.model}-{mode.name}{f'-r{rnd}' if rnd else ''}.txt"
-        row = run_row(result, rnd, order, wall, error,
+        row = run_row(result, rnd, cold, order, wall, error,
                       log.read_text(errors="replace") if log.is_file() else "")
         runs.append(row)
         first = row["first_point"]
@@ -354,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
     env = sweep.environment(args, results, {args.model: layers}, [])
     doc = {"name": args.name, "kind": "startup", "env": env,
            "protocol": {"prime": primed, "cache_env": sorted(cache_env(Path("/x"))),
-                        "schedule": [[r, m.name] for r, m in schedule(modes, args.warm_rounds)]},
+                        "cold_rounds": args.cold_rounds,
+                        "schedule": [[r, m.name] for r, m in plan]},
            "runs": runs, "skipped": skipped, "summary": summarise(runs, modes)}
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{args.name}.json"

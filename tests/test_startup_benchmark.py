@@ -72,6 +72,36 @@ def test_cold_then_warm_rounds_each_mode_with_its_own_caches(
     assert "stock_graphs: Triton compiles after ready (vLLM's JIT monitor): _fake_kernel" in out
 
 
+def test_cold_rounds_rotate_the_first_mode_and_each_start_new_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FAKE_COLD_S_PLUGIN_GRAPHS", "2.5")
+    monkeypatch.setenv("FAKE_WARM_S_PLUGIN_GRAPHS", "1.2")
+    doc = _run(tmp_path, monkeypatch, "--cold-rounds", "3", "--warm-rounds", "1")
+    runs = doc["runs"]
+    modes = ["stock_graphs", "stock_full_decode_nc", "plugin_graphs"]
+    # each mode is the first cold start once; the warm round rotates as with one cold round
+    assert [(r["mode"], r["round"]) for r in runs] == [
+        *[(m, 0) for m in modes], *[(m, 1) for m in modes[1:] + modes[:1]],
+        *[(m, 2) for m in modes[2:] + modes[:2]], *[(m, 3) for m in modes[1:] + modes[:1]]]
+    assert doc["protocol"]["cold_rounds"] == 3
+    assert [[r["round"], r["mode"]] for r in runs] == doc["protocol"]["schedule"]
+    # the fake worker is cold exactly when its cache root is new: every cold round found none
+    assert [r["cache"] for r in runs] == ["cold"] * 9 + ["warm"] * 3
+    by = {(r["mode"], r["round"]): r for r in runs}
+    assert [by[("plugin_graphs", k)]["startup_s"] for k in range(4)] == [2.5, 2.5, 2.5, 1.2]
+    for mode in modes:
+        roots = [json.loads((tmp_path / "logs" / f"result-{mode}-r{k}.json").read_text())
+                 ["resolved"]["cache_root"] for k in range(4)]
+        assert len(set(roots[:3])) == 3 and roots[3] == roots[2], roots
+    summary = doc["summary"]["modes"]["plugin_graphs"]
+    assert summary["cold"]["n"] == 3 and summary["cold"]["startup_samples_s"] == [2.5] * 3
+    assert summary["warm"]["n"] == 1 and summary["warm"]["startup_s"] == 1.2
+    out = capsys.readouterr().out
+    assert "3 cold and 1 warm round(s)" in out
+    assert "2.5, 2.5, 2.5 / 1.2" in out
+
+
 def test_budget_skips_starts_that_cannot_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -111,5 +141,7 @@ def test_prime_runs_the_real_imports(tmp_path: Path) -> None:
 def test_bad_arguments_quote_the_value(capsys: pytest.CaptureFixture[str]) -> None:
     assert startup.main(["--batch", "0", "--allow-cpu"]) == startup.EXIT_USAGE
     assert "--batch must be > 0, got 0" in capsys.readouterr().err
+    assert startup.main(["--cold-rounds", "0", "--allow-cpu"]) == startup.EXIT_USAGE
+    assert "--cold-rounds must be >= 1, got 0" in capsys.readouterr().err
     assert startup.main(["--modes", "nope", "--allow-cpu"]) == startup.EXIT_USAGE
     assert "unknown mode(s) nope" in capsys.readouterr().err
