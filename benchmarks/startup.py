@@ -17,8 +17,8 @@ the first mode pays what the later ones find done. Here:
    `TORCHINDUCTOR_CACHE_DIR`, `XDG_CACHE_HOME`, `CUDA_CACHE_PATH`): the first start of an
    operator's fresh node or container. The first cold round runs the modes in the order given;
    each further one starts with the next mode, so with as many cold rounds as modes every mode
-   is once the first start after the prime (a cold start varies by a few seconds from run to run,
-   and the first one after the prime has been both the slowest and the fastest of its run).
+   is once the first start after the prime (a cold start varies by a few seconds from run to
+   run; rotating keeps whatever being first costs from falling on one mode).
 3. **warm rounds** (`--warm-rounds`): every mode again, in a fresh process, with the caches its
    own last cold start filled; the first mode rotates from round to round: a restart.
 
@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
                                max_model_len=mml, seed=args.seed,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"start-up benchmark: {args.model}, modes {', '.join(m.name for m in modes)}, "
-          f"{args.cold_rounds} cold and {args.warm_rounds} warm round(s); logs and caches in {work_dir}", flush=True)
+          f"{args.cold_rounds} cold and {args.warm_rounds} warm round(s); logs and caches in "
+          f"{work_dir}", flush=True)
     primed = prime(config_dir, work_dir, args.allow_cpu)
     print(f"[startup] prime: {primed}", flush=True)
     if "error" in primed:
