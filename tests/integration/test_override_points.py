@@ -848,14 +848,20 @@ def test_start_up_warm_up_runs_every_kernel_shape_eagerly(caplog):
 def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     """An MoE model: the warm-up's batches call vLLM's fused-MoE config lookup with their token
     count; the counts that reach its other kernel variants then run eagerly without attention
-    (any count up to max_num_tokens fits), each once, none the warm-up ran already; with a layer
-    on the fused routing, one 2-row forward then runs padded (one real row), so that kernel's
-    padding-row variant compiles before serving."""
+    (any count up to max_num_tokens fits), each once, none the warm-up ran already, through the
+    layers up to the first MoE layer (compilation mode NONE; the batches through every layer);
+    with a layer on the fused routing, one 2-row forward then runs padded (one real row), so
+    that kernel's padding-row variant compiles before serving."""
     import dataclasses
     import logging
     import types
 
+    import torch
+    from vllm.config.compilation import CompilationMode
     from vllm.model_executor.layers.fused_moe.experts import triton_moe
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+
+    from tests.integration.test_model_layer_range import _stack
 
     from vllm_moe_graphs.graphs.buckets import graph_config
     from vllm_moe_graphs.integration.moe_padding import MoePadding
@@ -872,12 +878,17 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     padding = MoePadding(100, "cpu")
     r.moe_graphs.moe_padding = padding  # the padding rows skip the experts (skip_moe_padding)
     padding.rewrite(2, 8)  # a layer on the mask
+    r.model = torch.nn.Module()  # vLLM's decoder stack: 4 layers, the first MoE layer at 1
+    r.model.model = stack = _stack(Qwen3MoeModel, moe_at=(1, 2, 3), layers=4)
+    r.compilation_config.mode = CompilationMode.NONE
+    depths = {}
 
     def dummy_run(num_tokens, **kw):  # the MoE layers look their config up per batch
         if padding.active:  # a padded forward: the fused routing's padding-row variant
             padded.append((num_tokens, kw, padding._real.tolist()))
             return
         calls.append((num_tokens, kw))
+        depths.setdefault(stack.end_layer, []).append(num_tokens)
         triton_moe.try_get_optimal_moe_config((8, 32, 16), (8, 16, 16), 2, None, num_tokens)
 
     r._dummy_run = dummy_run
@@ -886,6 +897,7 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
         r.capture_model()  # the mask compiles nothing: no padded forward
         assert not padded and "a padded MoE forward" not in caplog.text
         calls.clear()
+        depths.clear()
         padding.route(2, 8, True)  # a layer on the fused routing
         r.capture_model()
     assert triton_moe.try_get_optimal_moe_config is lookup
@@ -895,7 +907,9 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     # groups [1, 40] and [41, 100]; naive path up to 8 // (4 * 2) = 1; BLOCK_SIZE_M 16 and 64
     assert [n for n, _ in moe] == [1, 15, 17, 39, 40, 41, 42, 64, 65, 99, 100]
     assert all(kw["cudagraph_runtime_mode"] is mode_enum.NONE for _, kw in moe)
-    assert "6 prefill batches, 11 fused-MoE token counts, a padded MoE forward" in caplog.text
+    assert depths == {4: first, 2: [n for n, _ in moe]} and stack.end_layer == 4
+    assert ("6 prefill batches, 11 fused-MoE token counts through 2 layers (up to the first MoE "
+            "layer), a padded MoE forward") in caplog.text
     assert padded == [(2, {"cudagraph_runtime_mode": mode_enum.NONE, "skip_eplb": True,
                            "remove_lora": False}, [1])] and not padding.active
     assert capture.captures == 0

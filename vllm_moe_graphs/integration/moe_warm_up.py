@@ -16,7 +16,9 @@ So: while the warm-up's first batches run, the arguments vLLM passes to
 the token counts 1..max_num_tokens are then grouped by the config vLLM would pick, and for each
 group its two smallest and two largest counts (both parities at both ends) and the counts on
 either side of the two path boundaries above run once, eagerly and without attention (only the
-MoE layers depend on M here), unless the warm-up ran them already. The GPU tests check the
+MoE layers depend on M here), unless the warm-up ran them already, and only through the layers
+up to the first MoE layer: every MoE layer has the same shapes, so it meets every variant
+(`patch/model_layer_range.py`). The GPU tests check the
 result with vLLM's JIT monitor (no fused-MoE compile while serving). A dense model, or an MoE
 path that does not go through the Triton experts, records nothing and adds nothing.
 """

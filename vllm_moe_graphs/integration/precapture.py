@@ -6,7 +6,7 @@ runner's slot-mapping kernel) would otherwise be compiled by the first requests,
 that vLLM's JIT monitor reports. Each graph key's decode batch (at its context bucket) and one
 prefill batch per tile size of the prefill kernel run eagerly through vLLM's `_dummy_run`,
 then, for MoE models, the token counts that reach every variant of vLLM's fused-MoE kernel
-(`moe_warm_up.py`); nothing is captured.
+(`moe_warm_up.py`), through the layers up to the first MoE layer; nothing is captured.
 
 Precapture: vLLM's `_dummy_run` prepares each key's padded batch (inputs, attention metadata,
 forward context) and calls the model; inside `GraphLifecycle.capturing(key)`, `PrecaptureModel`
@@ -33,6 +33,8 @@ from vllm_moe_graphs.integration.moe_warm_up import (
     moe_token_counts,
     recording_moe_configs,
 )
+
+from vllm_moe_graphs.integration.patch.model_layer_range import first_moe_layer_only
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
@@ -140,7 +142,7 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     start = time.perf_counter()
     keys = graphs.all_keys() if decode_keys else []
     try:
-        prefill, moe = _warm_up(runner, keys, compile_threads)
+        prefill, moe, depth = _warm_up(runner, keys, compile_threads)
         padded = moe_padding is not None and moe_padding.fused > 0
         if padded:
             with moe_padding.padded(1):  # a 2-row forward, its second row padding
@@ -153,15 +155,17 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
             "to run stock vLLM.") from exc
     seconds = time.perf_counter() - start
     logger.info("moe_graphs: kernels warmed up before serving (%d decode batches, %d prefill "
-                "batches, %d fused-MoE token counts%s, slot mapping) in %.2f s", len(keys),
-                prefill, moe, ", a padded MoE forward" if padded else "", seconds)
+                "batches, %d fused-MoE token counts%s%s, slot mapping) in %.2f s", len(keys),
+                prefill, moe, "" if depth is None or not moe else
+                f" through {depth} layer{'s' * (depth > 1)} (up to the first MoE layer)",
+                ", a padded MoE forward" if padded else "", seconds)
     return seconds
 
 
 def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
-             compile_threads: int = 0) -> tuple[int, int]:
+             compile_threads: int = 0) -> tuple[int, int, int | None]:
     """`warm_up_kernels`' runs; returns the numbers of prefill batches and of fused-MoE token
-    counts."""
+    counts, and how many layers the token counts ran through (None: every layer)."""
     # Prefill batches: the prefill kernel's tile is sized by the batch's longest query (a
     # power of 2, at most 64), one compile per size; then a long prefill row next to decode
     # rows (vLLM gives it seq_len = its query length + 1: within max_model_len). Every row's
@@ -196,20 +200,38 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
         done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
         moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
         fresh = deferred is not None and bool(built)
-        if fresh:
-            for n in moe:
-                runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                  skip_eplb=True, remove_lora=False)
+        if fresh and moe:
+            with _first_moe_layer_only(runner):
+                for n in moe:
+                    runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                      skip_eplb=True, remove_lora=False)
     if deferred is not None:
         _compile_moe_variants(deferred, sorted(set(done) | set(moe if fresh else ())),
                               compile_threads)
-    for n in moe:
-        runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
-                          remove_lora=False)
+    depth = None
+    if moe:
+        # NOTE: only the MoE layers depend on the token count here (no attention), and every
+        # MoE layer has the same shapes: the first one compiles every variant
+        # (patch/model_layer_range.py); the layers after it would only cost time.
+        with _first_moe_layer_only(runner) as depth:
+            for n in moe:
+                runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                  skip_eplb=True, remove_lora=False)
     _warm_up_slot_mapping(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return len(prefill) + (limit >= 2), len(moe)
+    return len(prefill) + (limit >= 2), len(moe), depth
+
+
+def _first_moe_layer_only(runner: MoeGraphsModelRunner) -> Any:
+    """`patch/model_layer_range.first_moe_layer_only` where the model runs as Python
+    (compilation mode NONE, as the take-over sets it); else a block that cuts nothing (a
+    torch.compile'd forward would not see the cut, or compile again for it)."""
+    from vllm.config.compilation import CompilationMode
+
+    if getattr(runner.compilation_config, "mode", None) != CompilationMode.NONE:
+        return contextlib.nullcontext(None)
+    return first_moe_layer_only(runner.get_model())
 
 
 def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: list[int],
