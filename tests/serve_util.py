@@ -61,6 +61,47 @@ def run_result_script(code: str, cpu_vllm: str, timeout: float = 600,
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+# A tiny Qwen3-MoE (2 layers, Qwen3-30B-A3B's 128 experts and top-8), built in-process by vLLM
+# 0.26's own model class on its CPU build; `qwen3_moe_script` prepends the build to a script.
+TINY_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64,
+                      intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=128,
+                      num_experts_per_tok=8, max_position_embeddings=256)
+
+_QWEN3_MOE_BUILD = r"""
+import json, sys, tempfile
+import torch
+from transformers import Qwen3MoeConfig
+from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.config.compilation import CompilationMode
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+path = tempfile.mkdtemp()
+Qwen3MoeConfig(**json.loads(sys.argv[2])).save_pretrained(path)
+compilation = {} if sys.argv[3] == "default" else {
+    "compilation_config": CompilationConfig(mode=CompilationMode[sys.argv[3]])}
+vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16"),
+                **compilation)
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+    initialize_model_parallel(1, 1)
+    torch.set_default_dtype(torch.bfloat16)
+    model = Qwen3MoeForCausalLM(vllm_config=vc, prefix="")
+"""
+
+
+def run_on_tiny_qwen3_moe(body: str, cpu_vllm: str, compilation_mode: str = "default",
+                          **config: object) -> dict:
+    """Build `TINY_QWEN3_MOE` (updated with `config`) with vLLM's `Qwen3MoeForCausalLM` on the
+    CPU build (`compilation_mode`: a `CompilationMode` name, or vLLM's default), then run
+    `body` (names `model`, `vc`, `torch`, `json` defined; it prints `RESULT {...}`); return
+    its result."""
+    return run_result_script(_QWEN3_MOE_BUILD + body, cpu_vllm,
+                             argv=(json.dumps({**TINY_QWEN3_MOE, **config}), compilation_mode))
+
+
 @contextlib.contextmanager
 def vllm_serve(model: str, cpu_vllm: str | None, log_path: str, args: tuple[str, ...] = (),
                env_extra: dict[str, str] | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.serve_util import run_result_script
+from tests.serve_util import run_on_tiny_qwen3_moe
 from vllm_moe_graphs.integration.patch.model_layer_range import (
     decoder_stack,
     first_moe_layer_only,
@@ -102,35 +102,15 @@ def test_prefetch_offload_keeps_every_layer(monkeypatch):
 
 
 _FORWARD = r"""
-import json, sys, tempfile
-import torch
-from transformers import Qwen3MoeConfig
-from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.config.compilation import CompilationMode
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm_moe_graphs.integration.patch.model_layer_range import first_moe_layer_only
 
-path = tempfile.mkdtemp()
-Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64,
-               intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-               mlp_only_layers=[0], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               num_experts=8, num_experts_per_tok=2,
-               max_position_embeddings=256).save_pretrained(path)
-vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16"),
-                compilation_config=CompilationConfig(mode=CompilationMode.NONE))  # the take-over's
+ran = []
+for i, layer in enumerate(model.model.layers):  # a spy in place of each layer's forward
+    layer.forward = lambda positions, hidden, residual, i=i: (
+        ran.append(i), (hidden, hidden if residual is None else residual))[1]
+ids = torch.arange(5)
+runs = {}
 with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
-    initialize_model_parallel(1, 1)
-    torch.set_default_dtype(torch.bfloat16)
-    model = Qwen3MoeForCausalLM(vllm_config=vc, prefix="")
-    ran = []
-    for i, layer in enumerate(model.model.layers):  # a spy in place of each layer's forward
-        layer.forward = lambda positions, hidden, residual, i=i: (
-            ran.append(i), (hidden, hidden if residual is None else residual))[1]
-    ids = torch.arange(5)
-    runs = {}
     model.model(ids, ids)
     runs["full"], ran[:] = list(ran), []
     with first_moe_layer_only(model) as depth:
@@ -147,6 +127,9 @@ def test_vllms_qwen3_moe_forward_runs_up_to_the_first_moe_layer_only(cpu_vllm) -
     """vLLM's own Qwen3-MoE model (4 layers, layer 0 dense through `mlp_only_layers`): inside
     the block its forward runs layers 0 and 1 (the first MoE layer), and every layer again
     after it."""
-    result = run_result_script(_FORWARD, cpu_vllm)
+    # 4 layers, layer 0 dense; compilation mode NONE, as the take-over sets it
+    result = run_on_tiny_qwen3_moe(_FORWARD, cpu_vllm, compilation_mode="NONE",
+                                   num_hidden_layers=4, mlp_only_layers=[0], num_experts=8,
+                                   num_experts_per_tok=2)
     assert result == {"runs": {"full": [0, 1, 2, 3], "cut": [0, 1], "after": [0, 1, 2, 3]},
                       "depth": 2, "end_layer": 4, "do_not_compile": True}, result

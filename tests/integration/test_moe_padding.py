@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.gpu_util import require_cuda_and_vllm
-from tests.serve_util import run_result_script
+from tests.serve_util import run_on_tiny_qwen3_moe
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.integration.moe_padding import MoePadding, padded_scope, sentinel
 
@@ -201,28 +201,10 @@ def test_graph_of_a_key_that_cannot_pad_has_no_mask(bucket: int, real: int,
     assert model.masked[-1] == masked
 
 
-_BUILD = r"""
-import json, sys, tempfile
+_INSTALL = r"""
 from types import SimpleNamespace
-import torch
-from transformers import Qwen3MoeConfig
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm_moe_graphs.integration import moe_padding
 
-path = tempfile.mkdtemp()
-Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64,
-               intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=128,
-               num_experts_per_tok=8, max_position_embeddings=256).save_pretrained(path)
-vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16"))
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
-    initialize_model_parallel(1, 1)
-    torch.set_default_dtype(torch.bfloat16)
-    model = Qwen3MoeForCausalLM(vllm_config=vc, prefix="")
 runner = SimpleNamespace(input_ids=SimpleNamespace(gpu=torch.zeros(64, dtype=torch.int32)),
                          device=torch.device("cpu"))
 padding = moe_padding.install_moe_padding(model, runner)
@@ -238,7 +220,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_vllms_cpu_experts_are_refused_with_the_reason(cpu_vllm) -> None:
-    built = run_result_script(_BUILD, cpu_vllm)
+    built = run_on_tiny_qwen3_moe(_INSTALL, cpu_vllm)
     assert built["layers"] == {
         f"model.layers.{i}.mlp.experts": "monolithic experts kernel (UnquantizedFusedMoEMethod)"
         for i in range(2)}, built

@@ -33,7 +33,6 @@ from vllm_moe_graphs.integration.moe_warm_up import (
     moe_token_counts,
     recording_moe_configs,
 )
-
 from vllm_moe_graphs.integration.patch.model_layer_range import first_moe_layer_only
 
 if TYPE_CHECKING:
