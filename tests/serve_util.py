@@ -62,7 +62,7 @@ def run_result_script(code: str, cpu_vllm: str, timeout: float = 600,
 
 
 # A tiny Qwen3-MoE (2 layers, Qwen3-30B-A3B's 128 experts and top-8), built in-process by vLLM
-# 0.26's own model class on its CPU build; `qwen3_moe_script` prepends the build to a script.
+# 0.26's own model class on its CPU build (`run_on_tiny_qwen3_moe`).
 TINY_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64,
                       intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=128,

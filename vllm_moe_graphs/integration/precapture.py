@@ -199,27 +199,31 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
         done = [k.batch_bucket for k in keys] + prefill + ([limit] if limit >= 2 else [])
         moe = moe_token_counts(moe_configs, runner.max_num_tokens, done)
         fresh = deferred is not None and bool(built)
-        if fresh and moe:
-            with _first_moe_layer_only(runner):
-                for n in moe:
-                    runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                      skip_eplb=True, remove_lora=False)
+        if fresh:
+            _run_token_counts(runner, moe)
     if deferred is not None:
         _compile_moe_variants(deferred, sorted(set(done) | set(moe if fresh else ())),
                               compile_threads)
-    depth = None
-    if moe:
-        # NOTE: only the MoE layers depend on the token count here (no attention), and every
-        # MoE layer has the same shapes: the first one compiles every variant
-        # (patch/model_layer_range.py); the layers after it would only cost time.
-        with _first_moe_layer_only(runner) as depth:
-            for n in moe:
-                runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                  skip_eplb=True, remove_lora=False)
+    depth = _run_token_counts(runner, moe)
     _warm_up_slot_mapping(runner)
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     return len(prefill) + (limit >= 2), len(moe), depth
+
+
+def _run_token_counts(runner: MoeGraphsModelRunner, counts: list[int]) -> int | None:
+    """The fused-MoE token counts, each once, eagerly and without attention; returns how many
+    layers they ran through (None: every layer)."""
+    if not counts:
+        return None
+    # NOTE: only the MoE layers depend on the token count here (no attention), and every MoE
+    # layer has the same shapes: the first one compiles every variant
+    # (patch/model_layer_range.py); the layers after it would only cost time.
+    with _first_moe_layer_only(runner) as depth:
+        for n in counts:
+            runner._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                              remove_lora=False)
+    return depth
 
 
 def _first_moe_layer_only(runner: MoeGraphsModelRunner) -> Any:
