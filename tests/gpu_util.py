@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import sys
+import time
 import zlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -39,6 +44,49 @@ def serve_memory_args(gpu_memory_utilization: float) -> tuple[str, ...]:
 def engine_timeout_s(default: float) -> float:
     """Seconds one test engine may run: MOE_GRAPHS_TEST_ENGINE_TIMEOUT_S overrides `default`."""
     return float(os.environ.get("MOE_GRAPHS_TEST_ENGINE_TIMEOUT_S") or default)
+
+
+# The GPU tier's lanes (benchmarks/gpu/tests.sh) share one GPU. vLLM's `Worker.sleep` reads the
+# device's free memory before and after it suspends the engine's memory and asserts it did not
+# drop ("Memory usage increased after sleeping."): a device-wide reading, so an engine another
+# lane starts, or wakes, in that window fails a test that says nothing about the plugin (the
+# parity tests' sleep phases of both shapes on an H100, tier at e794503; each passed alone).
+# With GPU_LANES_LOCK set (tests.sh sets it for lanes) a sleep or wake-up holds that lock file
+# exclusively and an engine start holds it shared; a waiting sleep closes a gate (the lock file
+# + ".gate") that new starts pass through, so a stream of starts cannot starve it. Unset, both
+# are no-ops. Lane 0's kernel tests allocate outside engines, at most a few hundred MiB: a sleep
+# frees the engine's KV cache (4 GiB in lanes) and more.
+LANES_LOCK_ENV = "GPU_LANES_LOCK"
+
+
+@contextlib.contextmanager
+def _lanes_lock(exclusive: bool, what: str) -> Iterator[None]:
+    path = os.environ.get(LANES_LOCK_ENV)
+    if not path:
+        yield
+        return
+    t0 = time.monotonic()
+    with open(path + ".gate", "a") as gate, open(path, "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)  # a start lets the next one in at once
+        waited = time.monotonic() - t0
+        if waited >= 1.0:
+            print(f"[gpu lanes] {what}: waited {waited:.1f} s for the other lanes",
+                  file=sys.stderr, flush=True)
+        yield  # closing both files releases both locks
+
+
+def engine_starting() -> contextlib.AbstractContextManager[None]:
+    """Hold around an engine's start on the GPU (it allocates weights and KV cache): shared with
+    other starts, excluded from any lane's sleep or wake-up."""
+    return _lanes_lock(False, "engine start")
+
+
+def sleep_or_wake() -> contextlib.AbstractContextManager[None]:
+    """Hold around an engine's sleep or wake-up: no other lane starts, sleeps or wakes one."""
+    return _lanes_lock(True, "sleep or wake-up")
 
 
 def shape_dir(tmp_path, shape: str, num_layers: int) -> tuple[str, int]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from benchmarks.serve_server import free_port, stop_process_group
 from benchmarks.serve_server import http_get as get
+from tests.gpu_util import engine_starting
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float | None:
@@ -120,25 +121,29 @@ def vllm_serve(model: str, cpu_vllm: str | None, log_path: str, args: tuple[str,
         env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
                    **(env_extra or {}))
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    proc = None
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n"
-                                   f"{tail(log_path)}")
-            with contextlib.suppress(OSError):
-                if get(base + "/health", timeout=2) is not None:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not ready after {start_timeout} s:\n"
-                                   f"{tail(log_path)}")
-            time.sleep(1)
+        # on the GPU, the start until ready is an engine start for the GPU tier's lanes
+        with engine_starting() if cpu_vllm is None else contextlib.nullcontext():
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            deadline = time.monotonic() + start_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n"
+                                       f"{tail(log_path)}")
+                with contextlib.suppress(OSError):
+                    if get(base + "/health", timeout=2) is not None:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve not ready after {start_timeout} s:\n"
+                                       f"{tail(log_path)}")
+                time.sleep(1)
         yield base
     finally:
-        stop_process_group(proc)
+        if proc is not None:
+            stop_process_group(proc)
         log.close()
 
 

@@ -20,7 +20,9 @@
 # (VLLM_PORT=20000 + 1000 x lane, below Linux's ephemeral ports; vLLM scans up from it to the
 # first free one): vLLM's default asks the kernel for a free port and binds it later, and
 # lanes starting engines in the same second can lose that race (EADDRINUSE at an engine's
-# start, a failed test that says nothing about the plugin).
+# start, a failed test that says nothing about the plugin). And an engine's sleep or wake-up
+# excludes the other lanes' engine starts, sleeps and wake-ups (GPU_LANES_LOCK, see
+# tests/gpu_util.py): vLLM's sleep asserts that the device's free memory did not drop meanwhile.
 #
 # Writes under $OUT:
 #   pytest.txt (one lane) or pytest-<lane>.txt    the whole pytest output
@@ -64,7 +66,10 @@ for a in "$@"; do
 done
 lanes+=("$cur")
 [ ${#lanes[@]} -eq 1 ] && [ -z "${lanes[0]}" ] && lanes=("-m gpu")
-if [ ${#lanes[@]} -gt 1 ]; then export MOE_GRAPHS_TEST_KV_CACHE_GIB=${MOE_GRAPHS_TEST_KV_CACHE_GIB:-4}; fi
+if [ ${#lanes[@]} -gt 1 ]; then
+  export MOE_GRAPHS_TEST_KV_CACHE_GIB=${MOE_GRAPHS_TEST_KV_CACHE_GIB:-4}
+  export GPU_LANES_LOCK=${GPU_LANES_LOCK:-$(mktemp /tmp/gpu-lanes-XXXX.lock)}
+fi
 left=$((GUARD_S - ($(date +%s) - T0) - 15))
 pids=()
 for i in "${!lanes[@]}"; do

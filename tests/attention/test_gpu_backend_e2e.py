@@ -116,7 +116,7 @@ t0 = time.perf_counter()
 import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from tests.gpu_util import redraw_weights
+from tests.gpu_util import engine_starting, redraw_weights
 
 if spec["backend"] == "CUSTOM":
     from vllm_moe_graphs.integration.attention_registry import register_attention_backend
@@ -128,7 +128,8 @@ def attention_impls(model):
                    if hasattr(m, "impl") and hasattr(m, "kv_cache")})
 
 
-llm = LLM(**spec["llm_kwargs"])
+with engine_starting():
+    llm = LLM(**spec["llm_kwargs"])
 startup_s = time.perf_counter() - t0
 redrawn = llm.apply_model(functools.partial(redraw_weights, seed=spec["seed"]))[0]
 impls = llm.apply_model(attention_impls)[0]

@@ -93,7 +93,7 @@ if spec.get("fail_capture_bucket"):
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_moe_graphs.metrics_transport import collect_text
-from tests.gpu_util import redraw_weights
+from tests.gpu_util import engine_starting, redraw_weights, sleep_or_wake
 
 
 def kill(on):
@@ -109,7 +109,8 @@ kwargs = spec["llm_kwargs"]
 if "cpu_offload_params" in kwargs:  # a set in EngineArgs; JSON carries a list
     kwargs = {**kwargs, "cpu_offload_params": set(kwargs["cpu_offload_params"])}
 t0 = time.perf_counter()
-llm = LLM(**kwargs)
+with engine_starting():
+    llm = LLM(**kwargs)
 result = {"startup_s": round(time.perf_counter() - t0, 1), "phases": [],
           "startup_metrics": collect_text()}
 cfg = llm.llm_engine.vllm_config
@@ -243,8 +244,9 @@ for phase in spec["phases"]:
     if phase.get("metadata_copies"):
         phase = {**phase, **metadata_copies()}
     if phase.get("sleep"):
-        llm.sleep(level=1)
-        llm.wake_up()
+        with sleep_or_wake():
+            llm.sleep(level=1)
+            llm.wake_up()
     if phase.get("swap_kv"):
         phase = {**phase, "swapped_ptrs": llm.apply_model(swap_first_kv)[0]}
     kill(phase["kill"])

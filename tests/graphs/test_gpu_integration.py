@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from tests.gpu_util import require_cuda_and_vllm, serve_memory_args
+from tests.gpu_util import require_cuda_and_vllm, serve_memory_args, sleep_or_wake
 from tests.graphs.engine_harness import (FAIL_FIRST_MIXED_CAPTURE, NUM_LAYERS, NUM_PROMPTS,
                                           assert_parity, check_parity, cut_shape_dir, delta,
                                           engine_kwargs, metric, parity_phases, parity_prompts,
@@ -665,9 +665,10 @@ def test_idle_capture_recaptures_after_wake_up_through_vllm_serve(tmp_path):
                      lambda t: metric(t, "moe_graphs_captures_total") >= keys)
         before = sequential(base)
         captured = metric(get(base + "/metrics"), "moe_graphs_captures_total")
-        post(base + "/sleep?level=1")
-        asleep = json.loads(get(base + "/is_sleeping"))["is_sleeping"]
-        post(base + "/wake_up")
+        with sleep_or_wake():
+            post(base + "/sleep?level=1")
+            asleep = json.loads(get(base + "/is_sleeping"))["is_sleeping"]
+            post(base + "/wake_up")
         t0 = time.monotonic()
         woken = poll_metrics(base, "every key captured again after the wake-up",
                              lambda t: metric(t, "moe_graphs_captures_total") >= captured + keys)

@@ -25,6 +25,7 @@ PROBE = r"""
 import json, os, sys, tempfile
 import numpy as np
 import torch
+from tests.gpu_util import engine_starting
 from tests.tiny_models import build_checkpoint
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -49,8 +50,9 @@ GPU = len(sys.argv) > 3 and sys.argv[3] == "gpu"
 # KV cache instead of vLLM's default 92% of the GPU (other test lanes share it)
 extra = {"attention_config": {"backend": "TRITON_ATTN"}, "gpu_memory_utilization": 0.05,
          "kv_cache_memory_bytes": 1 << 30} if GPU else {}
-llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
-          dtype="bfloat16" if GPU else "float32", seed=0, async_scheduling=ASYNC, **extra)
+with engine_starting():  # a no-op outside the GPU tier's lanes
+    llm = LLM(path, enforce_eager=True, max_model_len=256, max_num_seqs=8, block_size=16,
+              dtype="bfloat16" if GPU else "float32", seed=0, async_scheduling=ASYNC, **extra)
 engine = llm.llm_engine
 runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 assert unsupported(runner) is None, unsupported(runner)
