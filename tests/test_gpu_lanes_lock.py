@@ -8,7 +8,6 @@ import multiprocessing as mp
 import threading
 import time
 
-from tests import gpu_util
 from tests.gpu_util import LANES_LOCK_ENV, engine_starting, sleep_or_wake
 
 CTX = mp.get_context("fork")
@@ -89,7 +88,7 @@ def test_a_long_wait_is_reported(tmp_path, monkeypatch, capfd) -> None:
     holder, holder_in, holder_go = _spawn("sleep", "holder", times)
     assert holder_in.wait(10)
     threading.Timer(1.2, holder_go.set).start()
-    with gpu_util.engine_starting():
+    with engine_starting():
         pass
     holder.join(10)
     assert "[gpu lanes] engine start: waited" in capfd.readouterr().err
