@@ -8,6 +8,8 @@ import multiprocessing as mp
 import threading
 import time
 
+import pytest
+
 from tests.gpu_util import LANES_LOCK_ENV, engine_starting, sleep_or_wake
 
 CTX = mp.get_context("fork")
@@ -30,6 +32,19 @@ def _spawn(kind: str, name: str, times):
     return proc, entered, release
 
 
+@pytest.fixture
+def times(tmp_path, monkeypatch):
+    """The lock file set for this test; the queue the holders report their times to."""
+    monkeypatch.setenv(LANES_LOCK_ENV, str(tmp_path / "lanes.lock"))
+    return CTX.Queue()
+
+
+def _join(*procs) -> None:
+    for proc in procs:
+        proc.join(10)
+        assert proc.exitcode == 0, proc
+
+
 def test_unset_both_are_no_ops(monkeypatch) -> None:
     monkeypatch.delenv(LANES_LOCK_ENV, raising=False)
     done = threading.Event()
@@ -42,9 +57,7 @@ def test_unset_both_are_no_ops(monkeypatch) -> None:
     assert done.wait(5), "without GPU_LANES_LOCK the lane helpers must not lock"
 
 
-def test_sleep_waits_for_starts_and_holds_new_ones_off(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(LANES_LOCK_ENV, str(tmp_path / "lanes.lock"))
-    times = CTX.Queue()
+def test_sleep_waits_for_starts_and_holds_new_ones_off(times) -> None:
     first, first_in, first_go = _spawn("start", "first start", times)
     assert first_in.wait(10)
     sleeper, sleeper_in, sleeper_go = _spawn("sleep", "sleep", times)
@@ -60,35 +73,27 @@ def test_sleep_waits_for_starts_and_holds_new_ones_off(tmp_path, monkeypatch) ->
     sleeper_go.set()
     assert second_in.wait(10), "the second start never entered after the sleep left"
     second_go.set()
-    for proc in (first, sleeper, second):
-        proc.join(10)
-        assert proc.exitcode == 0, proc
+    _join(first, sleeper, second)
     got = {name: (t_in, t_out) for name, t_in, t_out in (times.get(timeout=5) for _ in range(3))}
     assert got["sleep"][0] >= got["first start"][1], got
     assert got["second start"][0] >= got["sleep"][1], got
 
 
-def test_starts_overlap(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(LANES_LOCK_ENV, str(tmp_path / "lanes.lock"))
-    times = CTX.Queue()
+def test_starts_overlap(times) -> None:
     first, first_in, first_go = _spawn("start", "first", times)
     assert first_in.wait(10)
     second, second_in, second_go = _spawn("start", "second", times)
     assert second_in.wait(10), "two engine starts must not exclude each other"
     first_go.set()
     second_go.set()
-    for proc in (first, second):
-        proc.join(10)
-        assert proc.exitcode == 0, proc
+    _join(first, second)
 
 
-def test_a_long_wait_is_reported(tmp_path, monkeypatch, capfd) -> None:
-    monkeypatch.setenv(LANES_LOCK_ENV, str(tmp_path / "lanes.lock"))
-    times = CTX.Queue()
+def test_a_long_wait_is_reported(times, capfd) -> None:
     holder, holder_in, holder_go = _spawn("sleep", "holder", times)
     assert holder_in.wait(10)
     threading.Timer(1.2, holder_go.set).start()
     with engine_starting():
         pass
-    holder.join(10)
+    _join(holder)
     assert "[gpu lanes] engine start: waited" in capfd.readouterr().err
