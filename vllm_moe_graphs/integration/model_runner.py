@@ -12,7 +12,8 @@ Overridden `GPUModelRunner` methods (exactly these; `test_override_points` intro
 method                                  | parameters after self                                | hook
 --------------------------------------- | ---------------------------------------------------- | ------------
 `__init__`                              | vllm_config, device                                  | lifecycle
-`load_model`                            | load_dummy_weights                                   | register
+`load_model`                            | load_dummy_weights                                   | sampler compile, register
+`profile_run`                           |                                                      | sampler compile joined
 `initialize_kv_cache`                   | kv_cache_config, is_profiling                        | bind, graphs
 `_cleanup_profiling_kv_cache`           |                                                      | unbind first
 `post_kv_cache_wake_up`                 |                                                      | revalidate
@@ -28,9 +29,11 @@ method                                  | parameters after self                 
 
 lifecycle: create the `GraphLifecycle` (it reads the plugin config and creates the one
 `PagedKVStorage`); register: classify the model and its attention layers by exact type and
-install the configured kernels; bind: phase profiling or serving; graphs: start the decode
+install the configured kernels; sampler compile: vLLM's top-k/top-p sampling kernel compiled on
+a thread of its own from the start of the load, and waited for by the profile run
+(`integration/sampler_warm_up.py`); bind: phase profiling or serving; graphs: start the decode
 graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
-after super(), except the unbind (super frees the memory it must release), close (also when
+after super(), except the sampler compile, the unbind (super frees the memory it must release), close (also when
 super raises) and the per-step ones below.
 
 Per step (`execute_model`, one `GraphLifecycle` step scope): a pure-decode step's inputs go to
@@ -51,8 +54,9 @@ precapture), `input_batch.block_table.compute_slot_mapping` (warm-up).
 vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
 
     Worker.init_device                 -> GPUModelRunner(vllm_config, device)        (__init__)
-    Worker.load_model                  -> load_model                                 (register)
-    Worker.determine_available_memory  -> profile_run (no KV cache bound at all)
+    Worker.load_model                  -> load_model                (sampler compile, register)
+    Worker.determine_available_memory  -> profile_run (no KV cache bound at all; sampler
+                                          compile joined)
                                        -> profile_cudagraph_memory, only when cudagraph_mode
                                           != NONE on CUDA and no kv_cache_memory_bytes:
                                           _init_minimal_kv_cache_for_profiling
@@ -81,6 +85,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_moe_graphs.config import plugin_config
 from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
+from vllm_moe_graphs.integration.sampler_warm_up import SamplerCompile, start_for_profile_run
 from vllm_moe_graphs.kv.storage import Phase
 
 if TYPE_CHECKING:
@@ -98,10 +103,20 @@ class MoeGraphsModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.moe_graphs = GraphLifecycle(self, plugin_config(vllm_config.additional_config))
+        self.sampler_compile: SamplerCompile | None = None
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        self.sampler_compile = start_for_profile_run(
+            self, self.moe_graphs.config.warm_up_compile_threads)
         super().load_model(load_dummy_weights=load_dummy_weights)
         self.moe_graphs.register(self.get_model())
+
+    def profile_run(self) -> None:
+        sampler_compile, self.sampler_compile = self.sampler_compile, None
+        if sampler_compile is None:
+            return super().profile_run()
+        with sampler_compile.joined():
+            return super().profile_run()
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig,
                             is_profiling: bool = False) -> None:

@@ -42,6 +42,7 @@ def check_parameters(qualname: str, fn: Callable, expected: tuple[str, ...]) -> 
 RUNNER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "__init__": ("self", "vllm_config", "device"),
     "load_model": ("self", "load_dummy_weights"),
+    "profile_run": ("self",),
     "initialize_kv_cache": ("self", "kv_cache_config", "is_profiling"),
     "_cleanup_profiling_kv_cache": ("self",),
     "post_kv_cache_wake_up": ("self",),
