@@ -124,7 +124,7 @@ class PluginConfig:
     # after the other, inside the warm-up's forwards. On a fresh node those compiles are most
     # of the start-up of Qwen3-30B-A3B (25 s of 37 s on the H200, one after the other). Above
     # 0, vLLM's top-k/top-p sampling kernel also compiles on a thread of its own from the start
-    # of model loading (integration/sampler_warm_up.py), beside the load and the profile forward.
+    # of model loading to the end of the warm-up (integration/sampler_warm_up.py).
     warm_up_compile_threads: int = 8
 
     @classmethod

@@ -22,18 +22,27 @@ from vllm_moe_graphs.integration.sampler_warm_up import (
 
 
 def _kernel(*keys: str) -> types.SimpleNamespace:
-    """What `SamplerCompile` reads of a Triton JIT function: its pre-run hooks and its
-    per-device caches (kernel cache first)."""
-    return types.SimpleNamespace(pre_run_hooks=[],
-                                 device_caches={0: ({k: object() for k in keys}, {})})
+    """What `SamplerCompile` reads of a Triton JIT function: its per-device caches (kernel
+    cache first)."""
+    return types.SimpleNamespace(device_caches={0: ({k: 1 for k in keys}, {})})
 
 
-def _launch(kernel: types.SimpleNamespace, key: str) -> None:
-    """A launch as Triton's JIT runs one: the pre-run hooks, then the lookup, then a compile of
-    a variant it does not hold."""
-    for hook in list(kernel.pre_run_hooks):
-        hook("logits", 151936, BATCH_SIZE=8)
-    kernel.device_caches[0][0].setdefault(key, object())
+def _launch(kernel: types.SimpleNamespace, key: str) -> bool:
+    """A launch as Triton's JIT runs one: a variant it holds launches; else the cache hook is
+    asked (with the keyword arguments Triton passes), and unless it says skip, the variant is
+    compiled and launched. True when it launched."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    cache = kernel.device_caches[0][0]
+    if key not in cache:
+        hook = knobs.runtime.jit_cache_hook
+        info = JitFunctionInfo(*sampler_warm_up.KERNEL, kernel)
+        if hook is not None and hook(key=key, repr="r", fn=info, compile={"key": key},
+                                     is_manual_warmup=False, already_compiled=False):
+            return False
+        cache[key] = 1
+    return True
 
 
 def test_profile_variant_binds_to_vllms_kernel():
@@ -41,7 +50,9 @@ def test_profile_variant_binds_to_vllms_kernel():
     default, in its order, as `apply_top_k_top_p_triton` passes them."""
     from vllm.v1.sample.ops import topk_topp_triton
 
-    fn = getattr(topk_topp_triton._topk_topp_kernel, "fn", topk_topp_triton._topk_topp_kernel)
+    kernel = getattr(topk_topp_triton, sampler_warm_up.KERNEL[1])
+    assert topk_topp_triton.__name__ == sampler_warm_up.KERNEL[0]
+    fn = getattr(kernel, "fn", kernel)
     args, kwargs = profile_variant(rows=256, vocab_size=151936)
     bound = inspect.signature(fn).bind(*args, **kwargs)
     required = [p.name for p in inspect.signature(fn).parameters.values()
@@ -51,71 +62,85 @@ def test_profile_variant_binds_to_vllms_kernel():
     assert bound.arguments["K"] is torch.int32 and bound.arguments["P"] is torch.float32
 
 
-def test_first_launch_waits_for_the_compile_and_the_hook_goes():
+def test_profile_launches_are_skipped_until_compiled_then_joined(caplog):
+    """Inside `profiling` a launch that would compile on the engine's thread is skipped while
+    the compile runs; once it is done the variant launches; the hook before is back after, and
+    `join` waits for the thread and logs once."""
+    from triton import knobs
+
     release = threading.Event()
     kernel = _kernel()
+    asked = []
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: asked.append(kw["key"])
 
     def compile_variant() -> None:
         assert release.wait(10)
-        kernel.device_caches[0][0]["ours"] = object()
+        assert _launch(kernel, "ours")  # Triton's warmup asks the hook too, on this thread
 
-    job = SamplerCompile(kernel, compile_variant)
-    with job.joined():
-        (hook,) = kernel.pre_run_hooks
-        threading.Timer(0.2, release.set).start()
-        _launch(kernel, "ours")  # blocks until the compile is done
-        assert job.seconds is not None and job.waited >= 0.15
-        _launch(kernel, "ours")
-    assert kernel.pre_run_hooks == [] and job.late_variants == 0 and job.error is None
-
-
-def test_launch_of_another_variant_is_counted_and_logged(caplog):
-    kernel = _kernel("older")
-    job = SamplerCompile(kernel, lambda: kernel.device_caches[0][0].setdefault("ours", 1))
-    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"), job.joined():
-        _launch(kernel, "ours")
-        _launch(kernel, "theirs")
-    assert job.late_variants == 1
-    assert "compiled on its own thread in" in caplog.text
-    assert "compiled 1 variant(s) of its top-k/top-p sampling kernel other than" in caplog.text
+    try:
+        job = SamplerCompile(kernel, compile_variant)
+        with job.profiling():
+            assert not _launch(kernel, "ours") and not _launch(kernel, "ours")
+            release.set()
+            job._thread.join(10)
+            assert _launch(kernel, "ours")
+        assert asked == ["ours"]  # the compile's own thread went to the hook before
+        with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+            job.join()
+            job.join()
+        assert caplog.text.count("compiled on its own thread in") == 1
+        assert "(1 launch(es) skipped" in caplog.text
+        assert job.skipped == {"ours"} and job.unforeseen == 0 and job.error is None
+    finally:
+        knobs.runtime.jit_cache_hook = previous
 
 
-def test_compile_error_is_logged_and_left_to_the_launch(caplog):
+def test_skipped_variant_the_thread_did_not_build_is_logged(caplog):
+    kernel = _kernel()
+    job = SamplerCompile(kernel, lambda: _launch(kernel, "ours"))
+    with job.profiling():
+        job._thread.join(10)
+        assert _launch(kernel, "ours") and not _launch(kernel, "theirs")
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        job.join()
+    assert job.unforeseen == 1 and job.waited is not None
+    assert "skipped 1 variant(s) of vLLM's top-k/top-p sampling kernel that" in caplog.text
+
+
+def test_compile_error_is_logged_and_left_to_vllms_sampler_warm_up(caplog):
     kernel = _kernel()
 
     def fail() -> None:
         raise RuntimeError("ptxas died")
 
     job = SamplerCompile(kernel, fail)
-    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"), job.joined():
-        _launch(kernel, "ours")
-    assert isinstance(job.error, RuntimeError)
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        job.join()
+    assert isinstance(job.error, RuntimeError) and job.seconds is not None
     assert "did not compile on its own thread (RuntimeError: ptxas died)" in caplog.text
 
 
-def test_the_compiles_own_hooks_do_not_wait_for_it():
-    """Triton's `warmup` runs the pre-run hooks on the compiling thread too: that call must not
-    join its own thread."""
-    kernel = _kernel()
-    started = threading.Event()
+def test_runner_skips_in_its_profile_run_and_joins_after_its_capture(monkeypatch):
+    """`MoeGraphsModelRunner`: vLLM's profile run (here: one launch of the kernel) runs inside
+    `profiling`; `capture_model` joins the compile after the warm-up, before vLLM's sampler
+    warm-up that follows it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def compile_variant() -> None:
-        assert started.wait(10)
-        _launch(kernel, "ours")
+    from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 
-    job = SamplerCompile(kernel, compile_variant)
-    with job.joined():
-        started.set()
-    assert job.error is None and job.late_variants == 0 and job.waited < 10
-
-
-def test_joined_waits_even_without_a_launch():
-    kernel = _kernel()
-    done = []
-    job = SamplerCompile(kernel, lambda: done.append(threading.Event().wait(0.1)))
-    with job.joined():
-        pass
-    assert done == [False] and job.seconds is not None
+    kernel, release, launched = _kernel(), threading.Event(), []
+    runner = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)  # __init__ needs a VllmConfig
+    runner.sampler_compile = job = SamplerCompile(
+        kernel, lambda: release.wait(10) and _launch(kernel, "ours"))
+    monkeypatch.setattr(GPUModelRunner, "profile_run",
+                        lambda self: launched.append(_launch(kernel, "ours")))
+    runner.profile_run()
+    runner.moe_graphs = types.SimpleNamespace(capture_model=lambda: 0)
+    release.set()
+    assert runner.capture_model() == 0
+    assert launched == [False] and job.waited is not None and job.skipped == {"ours"}
+    assert kernel.device_caches[0][0] == {"ours": 1} and job.unforeseen == 0
 
 
 @pytest.mark.parametrize("rows,device", [(7, "cuda"), (256, "cpu")])
@@ -134,20 +159,28 @@ def test_no_compile_with_serial_warm_up_or_a_pooling_model():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 16])
 @pytest.mark.parametrize("vocab", [151936, 1000])
-def test_gpu_profile_run_launch_finds_the_variant_compiled(rows, vocab):
+def test_gpu_profile_run_variant_is_the_one_compiled(rows, vocab):
     """vLLM's `apply_top_k_top_p_triton` on what its profile run samples (float32 logits of
-    `rows` rows, top-k = vocab - 1 and top-p 0.9 on every row) inside `joined`: the launch
-    waits for the thread's compile and compiles nothing itself."""
+    `rows` rows, top-k = vocab - 1 and top-p 0.9 on every row) inside `profiling`, once the
+    thread's compile is done: the launch finds that variant and skips nothing; after `join`,
+    masks as a launch of vLLM's own does (every logit kept: top-k vocab - 1 with top-p 0.9
+    keeps at least the largest)."""
     require_cuda_and_vllm()
     from vllm.v1.sample.ops.topk_topp_triton import apply_top_k_top_p_triton
 
     device = torch.device("cuda", torch.cuda.current_device())
     job = start_sampler_compile(rows, vocab, device)
     assert job is not None and job.kernel is sampler_warm_up._sampling_kernel()
-    logits = torch.randn(rows, vocab, device=device).to(torch.bfloat16).to(torch.float32)
-    with job.joined():
-        apply_top_k_top_p_triton(logits, torch.full((rows,), vocab - 1, device=device),
-                                 torch.full((rows,), 0.9, device=device))
+    job._thread.join()
+    logits = torch.randn(rows, vocab, device=device)
+    k = torch.full((rows,), vocab - 1, device=device)
+    p = torch.full((rows,), 0.9, device=device)
+    with job.profiling():
+        masked = apply_top_k_top_p_triton(logits.clone(), k, p)
+    job.join()
     torch.cuda.synchronize()
     assert job.error is None, job.error
-    assert job.late_variants == 0 and job.seconds is not None
+    assert job.skipped == set() and job.unforeseen == 0
+    kept = masked.isfinite()
+    assert kept.any(dim=1).all() and not kept.all()
+    assert torch.equal(masked[kept], logits[kept])

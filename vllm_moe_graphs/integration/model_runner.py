@@ -13,7 +13,7 @@ method                                  | parameters after self                 
 --------------------------------------- | ---------------------------------------------------- | ------------
 `__init__`                              | vllm_config, device                                  | lifecycle
 `load_model`                            | load_dummy_weights                                   | sampler compile, register
-`profile_run`                           |                                                      | sampler compile joined
+`profile_run`                           |                                                      | sampler launches skipped
 `initialize_kv_cache`                   | kv_cache_config, is_profiling                        | bind, graphs
 `_cleanup_profiling_kv_cache`           |                                                      | unbind first
 `post_kv_cache_wake_up`                 |                                                      | revalidate
@@ -25,15 +25,16 @@ method                                  | parameters after self                 
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | plan, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
 `_bookkeeping_sync`                      | scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens | decode bookkeeping
-`capture_model`                         |                                                      | warm-up, precapture
+`capture_model`                         |                                                      | warm-up, precapture, sampler compile joined
 
 lifecycle: create the `GraphLifecycle` (it reads the plugin config and creates the one
 `PagedKVStorage`); register: classify the model and its attention layers by exact type and
 install the configured kernels; sampler compile: vLLM's top-k/top-p sampling kernel compiled on
-a thread of its own from the start of the load, and waited for by the profile run
+a thread of its own from the start of the load, its launches in the profile run skipped (their
+samples are discarded), the thread joined after the warm-up, before vLLM's own sampler warm-up
 (`integration/sampler_warm_up.py`); bind: phase profiling or serving; graphs: start the decode
 graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
-after super(), except the sampler compile, the unbind (super frees the memory it must release), close (also when
+after super(), except the sampler compile and its skipped launches, the unbind (super frees the memory it must release), close (also when
 super raises) and the per-step ones below.
 
 Per step (`execute_model`, one `GraphLifecycle` step scope): a pure-decode step's inputs go to
@@ -56,7 +57,7 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
     Worker.init_device                 -> GPUModelRunner(vllm_config, device)        (__init__)
     Worker.load_model                  -> load_model                (sampler compile, register)
     Worker.determine_available_memory  -> profile_run (no KV cache bound at all; sampler
-                                          compile joined)
+                                          launches skipped)
                                        -> profile_cudagraph_memory, only when cudagraph_mode
                                           != NONE on CUDA and no kv_cache_memory_bytes:
                                           _init_minimal_kv_cache_for_profiling
@@ -64,7 +65,8 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
                                           throw-away graph captures
                                           _cleanup_profiling_kv_cache                (unbind)
     Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
-    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture)
+    Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture,
+                                          sampler compile joined), then vLLM's sampler warm-up
     per step: execute_model -> _determine_batch_execution_and_padding             (plan)
                             -> _model_forward                                    (replay)
     Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
@@ -112,10 +114,9 @@ class MoeGraphsModelRunner(GPUModelRunner):
         self.moe_graphs.register(self.get_model())
 
     def profile_run(self) -> None:
-        sampler_compile, self.sampler_compile = self.sampler_compile, None
-        if sampler_compile is None:
+        if self.sampler_compile is None:
             return super().profile_run()
-        with sampler_compile.joined():
+        with self.sampler_compile.profiling():
             return super().profile_run()
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig,
@@ -234,4 +235,8 @@ class MoeGraphsModelRunner(GPUModelRunner):
 
     def capture_model(self) -> int:
         pool_bytes = self.moe_graphs.capture_model()
-        return pool_bytes if pool_bytes is not None else super().capture_model()
+        if pool_bytes is None:
+            pool_bytes = super().capture_model()
+        if self.sampler_compile is not None:
+            self.sampler_compile.join()  # before vLLM's sampler warm-up, which follows
+        return pool_bytes

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from vllm_moe_graphs.integration.patch import kernel_pre_run, moe_config_lookup
+from vllm_moe_graphs.integration.patch import fused_moe_pre_run, moe_config_lookup
 from vllm_moe_graphs.integration.patch.moe_config_lookup import CONFIG_FUNCTION
 
 logger = logging.getLogger("vllm.moe_graphs")
@@ -159,8 +159,8 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
     try:
         # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
         # variant, so the zeroing runs whether or not the launch is skipped.
-        with kernel_pre_run.appended(getattr(fused_moe, DEFERRED_KERNEL[1], None),
-                                     _zero_output):
+        with fused_moe_pre_run.appended(getattr(fused_moe, DEFERRED_KERNEL[1], None),
+                                        _zero_output):
             yield found
     finally:
         if knobs.runtime.jit_cache_hook is record:

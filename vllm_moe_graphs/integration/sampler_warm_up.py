@@ -1,20 +1,25 @@
 """vLLM's top-k/top-p sampling kernel, compiled on a thread of its own from the start of model
-loading, so that its compile overlaps the weight load and the profile forward.
+loading until the start-up warm-up ends, instead of on the engine's thread in the profile run.
 
 vLLM 0.26's V1 profile run (`GPUModelRunner.profile_run`) ends with a sampler run on
 min(max_num_seqs, max_num_batched_tokens) rows with top-k and top-p on (`_dummy_sampler_run`);
 from 8 rows on, `apply_top_k_top_p` sends that through vLLM's Triton kernel `_topk_topp_kernel`
 (`v1/sample/ops/topk_topp_triton.py`), whose compile is the longest single compile of a start on
-a fresh node (6.7-8.1 s on the H200), on the engine's only thread, after the profile forward.
+a fresh node (6.7-8.1 s on the H200), on the engine's only thread. The run only measures memory:
+its samples are discarded, and the kernel allocates nothing (its buffer is allocated before the
+launch). vLLM runs the sampler again after `capture_model` (`Worker.compile_or_warm_up_model`),
+before the engine is ready.
 
-`start_sampler_compile` compiles the variant that run launches (the arguments
+`start_sampler_compile` compiles the variant the profile run launches (the arguments
 `apply_top_k_top_p_triton` passes for contiguous float32 logits of that many rows; Triton's
-`warmup` compiles without launching) on a daemon thread. `SamplerCompile.joined` wraps the
-profile run: the kernel's first launch waits for that thread (a pre-run hook: Triton runs those
-before it looks for a compiled variant, `patch/kernel_pre_run.py`), and the thread is joined on
-leaving whether or not the kernel ran. A compile that fails on the thread is logged and left to
-the launch, which compiles as vLLM would; a variant the thread did not foresee is compiled by
-the launch too, and the log says so.
+`warmup` compiles without launching) on a daemon thread. Inside `SamplerCompile.profiling`
+(the profile run), a launch of the kernel that would compile on the engine's thread is skipped
+instead (Triton's `jit_cache_hook`, as `moe_warm_up.deferring_fused_moe_compiles` skips), and
+masks nothing in those discarded samples; a launch whose variant the thread has compiled runs.
+`SamplerCompile.join`, at the end of the runner's `capture_model`, waits for the thread, so
+vLLM's later sampler run finds the variant compiled. A compile that fails on the thread, or a
+skipped variant the thread did not build, is logged and left to that later run, which compiles
+it as vLLM would, still before the engine is ready.
 """
 
 from __future__ import annotations
@@ -26,10 +31,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vllm_moe_graphs.integration.patch import kernel_pre_run
-
 logger = logging.getLogger("vllm.moe_graphs")
 
+KERNEL = ("vllm.v1.sample.ops.topk_topp_triton", "_topk_topp_kernel")
 TRITON_MIN_ROWS = 8  # apply_top_k_top_p: from this many rows on, the Triton kernel
 BLOCK_SIZE, BLOCK_SIZE_TRUNC = 8192, 4096  # apply_top_k_top_p_triton's tiles on CUDA
 
@@ -40,7 +44,7 @@ def _sampling_kernel() -> Any | None:
         from vllm.v1.sample.ops import topk_topp_triton
     except ImportError:
         return None
-    kernel = getattr(topk_topp_triton, "_topk_topp_kernel", None)
+    kernel = getattr(topk_topp_triton, KERNEL[1], None)
     return kernel if hasattr(kernel, "warmup") else None
 
 
@@ -57,8 +61,8 @@ def profile_variant(rows: int, vocab_size: int) -> tuple[tuple[Any, ...], dict[s
     import torch
 
     f32 = torch.float32
-    args = (f32, vocab_size, f32, f32, f32, torch.int32, f32)  # logits, its row stride, buffer,
-    # the two lookup tables, k, p
+    # logits, its row stride, buffer, the two lookup tables, k, p
+    args = (f32, vocab_size, f32, f32, f32, torch.int32, f32)
     kwargs = dict(BATCH_SIZE=rows, MASK_VALUE=float("-inf"), VOCAB_SIZE=vocab_size,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_SIZE_TRUNC=BLOCK_SIZE_TRUNC,
                   TOPK_ENABLED=True, TOPP_ENABLED=True)
@@ -66,16 +70,15 @@ def profile_variant(rows: int, vocab_size: int) -> tuple[tuple[Any, ...], dict[s
 
 
 class SamplerCompile:
-    """One compile on a daemon thread, which the kernel's first launch inside `joined` waits
-    for."""
+    """One compile of `kernel` on a daemon thread (see the module docstring)."""
 
     def __init__(self, kernel: Any, compile_fn: Callable[[], Any]) -> None:
         self.kernel = kernel
         self.seconds: float | None = None  # the compile, on its thread
-        self.waited = 0.0  # how long launches waited for it
+        self.waited: float | None = None  # how long `join` waited for it
         self.error: BaseException | None = None
-        self.late_variants = 0  # variants launches inside `joined` compiled themselves
-        self._compiled: set[Any] = set()  # the kernel's variant keys once the thread is done
+        self.skipped: set[Any] = set()  # variant keys of the launches `profiling` skipped
+        self.unforeseen = 0  # of those, variants the thread did not compile
         self._compile_fn = compile_fn
         self._start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="moe_graphs-sampler-compile",
@@ -85,50 +88,56 @@ class SamplerCompile:
     def _run(self) -> None:
         try:
             self._compile_fn()
-        except Exception as exc:  # noqa: BLE001 - the launch compiles it as vLLM would
+        except Exception as exc:  # noqa: BLE001 - vLLM's later sampler run compiles it
             self.error = exc
         self.seconds = time.perf_counter() - self._start
-        # NOTE: launches inside `joined` wait for this thread before they look for a variant,
-        # so none has compiled one yet
-        self._compiled = _variant_keys(self.kernel)
+
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """Inside the block, a launch of the kernel that would compile on any thread but the
+        compile's own is skipped (its key recorded); every other compile goes to the hook that
+        was there before, which is back on leaving."""
+        from triton import knobs
+
+        previous = knobs.runtime.jit_cache_hook
+
+        def skip(**kwargs: Any) -> Any:
+            info = kwargs["fn"]
+            if ((str(info.module), info.name) == KERNEL
+                    and threading.current_thread() is not self._thread):
+                self.skipped.add(kwargs["key"])
+                return True  # Triton's JIT: no compile, no launch
+            return previous(**kwargs) if previous is not None else None
+
+        knobs.runtime.jit_cache_hook = skip
+        try:
+            yield
+        finally:
+            if knobs.runtime.jit_cache_hook is skip:
+                knobs.runtime.jit_cache_hook = previous
 
     def join(self) -> None:
-        """Wait for the compile (a no-op on its own thread, whose `warmup` runs the hooks)."""
-        if threading.current_thread() is self._thread:
+        """Wait for the compile and log it (once)."""
+        if self.waited is not None:
             return
         start = time.perf_counter()
         self._thread.join()
-        self.waited += time.perf_counter() - start
-
-    def _wait(self, *args: Any, **kwargs: Any) -> None:
-        self.join()
-
-    @contextlib.contextmanager
-    def joined(self) -> Iterator[None]:
-        """Inside the block the kernel's launches wait for the compile; on leaving it is
-        joined and logged."""
-        try:
-            with kernel_pre_run.appended(self.kernel, self._wait):
-                yield
-        finally:
-            self.join()
-            self.late_variants = len(_variant_keys(self.kernel) - self._compiled)
-            self._log()
-
-    def _log(self) -> None:
+        self.waited = time.perf_counter() - start
+        self.unforeseen = len(self.skipped - _variant_keys(self.kernel))
         if self.error is not None:
             logger.warning("moe_graphs: vLLM's top-k/top-p sampling kernel did not compile on "
-                           "its own thread (%s: %s); vLLM's profile run compiled it",
+                           "its own thread (%s: %s); vLLM's sampler warm-up compiles it",
                            type(self.error).__name__, self.error)
             return
         logger.info("moe_graphs: vLLM's top-k/top-p sampling kernel compiled on its own thread "
-                    "in %.2f s, beside model loading and the profile forward; the profile run "
-                    "waited %.2f s for it", self.seconds, self.waited)
-        if self.late_variants:
-            logger.warning("moe_graphs: vLLM's profile run compiled %d variant(s) of its "
-                           "top-k/top-p sampling kernel other than the one compiled ahead (its "
-                           "arguments differ from integration/sampler_warm_up.py's)",
-                           self.late_variants)
+                    "in %.2f s, beside model loading, the profile run (%d launch(es) skipped: "
+                    "samples it discards) and the warm-up; waited %.2f s for it at the end of "
+                    "the warm-up", self.seconds, len(self.skipped), self.waited)
+        if self.unforeseen:
+            logger.warning("moe_graphs: the profile run skipped %d variant(s) of vLLM's "
+                           "top-k/top-p sampling kernel that its own thread did not compile "
+                           "(their arguments differ from integration/sampler_warm_up.py's); "
+                           "vLLM's sampler warm-up compiles them", self.unforeseen)
 
 
 def start_sampler_compile(rows: int, vocab_size: int, device: Any) -> SamplerCompile | None:
@@ -155,7 +164,8 @@ def start_for_profile_run(runner: Any, compile_threads: int) -> SamplerCompile |
     (`_dummy_sampler_run`: min(max_num_seqs, max_num_batched_tokens) rows of the model's vocab,
     on the last pipeline stage of a generating model); None with `compile_threads` 0
     (`warm_up_compile_threads`: every start-up compile on the engine's thread)."""
-    if compile_threads <= 0 or getattr(runner, "is_pooling_model", False):
+    if (compile_threads <= 0 or getattr(runner, "is_pooling_model", False)
+            or getattr(runner.device, "type", None) != "cuda"):
         return None
     from vllm.distributed.parallel_state import get_pp_group
 

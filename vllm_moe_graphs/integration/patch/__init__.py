@@ -22,7 +22,7 @@ they are switched on; their files here say why, how and when each goes:
 | attention_forward.py | `forward` of eligible Qwen3 attention modules (instance) | `qk_norm_rope.install_fused_qk_norm_rope` (`fuse_qk_norm_rope`) | vLLM's Qwen3 attention fuses q/k norm + RoPE |
 | router_select_experts.py | `select_experts` of the router of eligible fused-MoE layers (instance) | `moe_padding.install_moe_padding` (`skip_moe_padding`) | vLLM's fused MoE takes a count of valid rows |
 | router_compute_routing.py | `_compute_routing` of the `FusedTopKRouter` of eligible fused-MoE layers (instance) | `moe_padding.install_moe_padding` (`fuse_moe_padding_mask`) | vLLM's fused MoE takes a count of valid rows |
-| kernel_pre_run.py | `pre_run_hooks` of vLLM's `fused_moe_kernel`, during the start-up warm-up's deferred compiles; of vLLM's `_topk_topp_kernel`, during the profile run | `moe_warm_up.deferring_fused_moe_compiles`, `sampler_warm_up.SamplerCompile.joined` (`warm_up_compile_threads`) | vLLM warms its own fused-MoE variants before serving and compiles its sampling kernel off the profile run's critical path |
+| fused_moe_pre_run.py | `pre_run_hooks` of vLLM's `fused_moe_kernel`, during the start-up warm-up's deferred compiles | `moe_warm_up.deferring_fused_moe_compiles` (`warm_up_compile_threads`) | vLLM warms its own fused-MoE variants before serving |
 | model_layer_range.py | the decoder stack's `end_layer` (instance), during the start-up warm-up's fused-MoE token counts | `precapture._warm_up` | vLLM warms its own fused-MoE variants before serving |
 | runner_model.py | the model runner's `model`, during one precapture dummy batch | `lifecycle.GraphLifecycle.capturing` (`precapture`) | vLLM's dummy run takes a capture hook |
 """
