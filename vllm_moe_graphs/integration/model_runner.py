@@ -34,8 +34,8 @@ a thread of its own from the start of the load, its launches in the profile run 
 samples are discarded), the thread joined after the warm-up, before vLLM's own sampler warm-up
 (`integration/sampler_warm_up.py`); bind: phase profiling or serving; graphs: start the decode
 graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
-after super(), except the sampler compile and its skipped launches, the unbind (super frees the memory it must release), close (also when
-super raises) and the per-step ones below.
+after super(), except the sampler compile and its skipped launches, the unbind (super frees
+the memory it must release), close (also when super raises) and the per-step ones below.
 
 Per step (`execute_model`, one `GraphLifecycle` step scope): a pure-decode step's inputs go to
 vLLM's persistent buffers through `integration/decode_inputs.py`, any other step's through vLLM;
