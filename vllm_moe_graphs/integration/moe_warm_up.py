@@ -32,7 +32,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from vllm_moe_graphs.integration.patch import fused_moe_pre_run, moe_config_lookup
+from vllm_moe_graphs.integration.patch import (
+    fused_moe_pre_run,
+    jit_cache_hook,
+    moe_config_lookup,
+)
 from vllm_moe_graphs.integration.patch.moe_config_lookup import CONFIG_FUNCTION
 
 logger = logging.getLogger("vllm.moe_graphs")
@@ -141,30 +145,20 @@ def deferring_fused_moe_compiles() -> Iterator[dict[str, tuple[Any, str]]]:
     specialization data) and skipped together with that launch, whose output is left zeroed
     (`_zero_output`); every other compile goes to the hook that was there before. On leaving,
     that hook is back and the kernel runs as before."""
-    from triton import knobs
     from vllm.model_executor.layers.fused_moe import fused_moe
 
     found: dict[str, tuple[Any, str]] = {}
-    previous = knobs.runtime.jit_cache_hook
 
-    def record(**kwargs: Any) -> Any:
-        info = kwargs["fn"]
-        if (str(info.module), info.name) == DEFERRED_KERNEL:
-            found.setdefault(str(kwargs["key"]), (info.jit_function,
-                                                  kwargs["compile"]["specialization_data"]))
-            return True  # Triton's JIT: no compile, no launch
-        return previous(**kwargs) if previous is not None else None
+    def record(kwargs: dict[str, Any]) -> bool:
+        found.setdefault(str(kwargs["key"]), (kwargs["fn"].jit_function,
+                                              kwargs["compile"]["specialization_data"]))
+        return True
 
-    knobs.runtime.jit_cache_hook = record
-    try:
-        # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
-        # variant, so the zeroing runs whether or not the launch is skipped.
-        with fused_moe_pre_run.appended(getattr(fused_moe, DEFERRED_KERNEL[1], None),
-                                        _zero_output):
-            yield found
-    finally:
-        if knobs.runtime.jit_cache_hook is record:
-            knobs.runtime.jit_cache_hook = previous
+    # NOTE: Triton's JIT runs a JIT function's pre-run hooks before it looks for a compiled
+    # variant, so the zeroing runs whether or not the launch is skipped.
+    with jit_cache_hook.skipping(DEFERRED_KERNEL, record), fused_moe_pre_run.appended(
+            getattr(fused_moe, DEFERRED_KERNEL[1], None), _zero_output):
+        yield found
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ before the engine is ready.
 `apply_top_k_top_p_triton` passes for contiguous float32 logits of that many rows; Triton's
 `warmup` compiles without launching) on a daemon thread. Inside `SamplerCompile.profiling`
 (the profile run), a launch of the kernel that would compile on the engine's thread is skipped
-instead (Triton's `jit_cache_hook`, as `moe_warm_up.deferring_fused_moe_compiles` skips), and
+instead (`patch/jit_cache_hook.py`, as `moe_warm_up.deferring_fused_moe_compiles` skips), and
 masks nothing in those discarded samples; a launch whose variant the thread has compiled runs.
 `SamplerCompile.join`, at the end of the runner's `capture_model`, waits for the thread, so
 vLLM's later sampler run finds the variant compiled. A compile that fails on the thread, or a
@@ -30,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from vllm_moe_graphs.integration.patch import jit_cache_hook
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -97,24 +99,15 @@ class SamplerCompile:
         """Inside the block, a launch of the kernel that would compile on any thread but the
         compile's own is skipped (its key recorded); every other compile goes to the hook that
         was there before, which is back on leaving."""
-        from triton import knobs
 
-        previous = knobs.runtime.jit_cache_hook
+        def skip(kwargs: dict[str, Any]) -> bool:
+            if threading.current_thread() is self._thread:
+                return False
+            self.skipped.add(kwargs["key"])
+            return True
 
-        def skip(**kwargs: Any) -> Any:
-            info = kwargs["fn"]
-            if ((str(info.module), info.name) == KERNEL
-                    and threading.current_thread() is not self._thread):
-                self.skipped.add(kwargs["key"])
-                return True  # Triton's JIT: no compile, no launch
-            return previous(**kwargs) if previous is not None else None
-
-        knobs.runtime.jit_cache_hook = skip
-        try:
+        with jit_cache_hook.skipping(KERNEL, skip):
             yield
-        finally:
-            if knobs.runtime.jit_cache_hook is skip:
-                knobs.runtime.jit_cache_hook = previous
 
     def join(self) -> None:
         """Wait for the compile and log it (once)."""
@@ -165,7 +158,7 @@ def start_for_profile_run(runner: Any, compile_threads: int) -> SamplerCompile |
     on the last pipeline stage of a generating model); None with `compile_threads` 0
     (`warm_up_compile_threads`: every start-up compile on the engine's thread)."""
     if (compile_threads <= 0 or getattr(runner, "is_pooling_model", False)
-            or getattr(runner.device, "type", None) != "cuda"):
+            or runner.device.type != "cuda"):
         return None
     from vllm.distributed.parallel_state import get_pp_group
 
