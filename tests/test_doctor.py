@@ -142,6 +142,10 @@ def test_demo_rejects_bad_numbers(capsys):
         cli_main(["demo", "--batch", "0"])
     assert exc.value.code == 2
     assert "--batch=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--kv-cache-memory-bytes", "-1"])
+    assert exc.value.code == 2
+    assert "--kv-cache-memory-bytes=-1" in capsys.readouterr().err
 
 
 def test_demo_reads_label_values_from_the_metrics_text():

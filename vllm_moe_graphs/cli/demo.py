@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None,
                    help="vLLM attention backend (default: the plugin's, CUSTOM, on an eligible "
                         "setup; any other backend keeps stock vLLM)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="share of the GPU's memory vLLM may take (default 0.5)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="a fixed KV cache size in bytes, as vLLM's flag of that name (default: "
+                        "what --gpu-memory-utilization leaves after profiling)")
     return p
 
 
@@ -67,7 +71,7 @@ def _model_dir(model: str, num_layers: int | None) -> str:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("batch", "prompt_len", "max_tokens", "num_layers"):
+    for name in ("batch", "prompt_len", "max_tokens", "num_layers", "kv_cache_memory_bytes"):
         _positive(parser, name, getattr(args, name))
 
     import torch
@@ -91,6 +95,7 @@ def main(argv: list[str]) -> int:
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
               max_model_len=args.prompt_len + args.max_tokens + 16,
               max_num_seqs=max(args.batch, 1), gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               attention_backend=args.attention_backend, seed=0)
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 1000 + 10
