@@ -178,7 +178,7 @@ def _bare_runner(layers: dict):
     ns = types.SimpleNamespace
     r = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)
     r.moe_graphs = GraphLifecycle(r, PluginConfig(), PagedKVStorage())
-    r.sampler_compile = None  # as __init__ leaves it
+    r.sampler_compile = r.sampling_variants = None  # as __init__ leaves them
     r.device = torch.device("cpu")
     r.cache_config = ns(cache_dtype="auto", num_gpu_blocks=4)
     ctx = {name: ns(kv_cache=t) for name, t in layers.items()}

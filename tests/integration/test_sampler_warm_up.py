@@ -127,6 +127,7 @@ def test_runner_skips_in_its_profile_run_and_joins_after_its_capture(monkeypatch
     warm-up that follows it."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
 
     kernel, release, launched = _kernel(), threading.Event(), []
@@ -136,7 +137,10 @@ def test_runner_skips_in_its_profile_run_and_joins_after_its_capture(monkeypatch
     monkeypatch.setattr(GPUModelRunner, "profile_run",
                         lambda self: launched.append(_launch(kernel, "ours")))
     runner.profile_run()
-    runner.moe_graphs = types.SimpleNamespace(capture_model=lambda: 0)
+    runner.sampling_variants = None
+    runner.moe_graphs = types.SimpleNamespace(
+        capture_model=lambda: 0,
+        config=PluginConfig.from_dict({"compile_sampling_variants": False}))
     release.set()
     assert runner.capture_model() == 0
     assert launched == [False] and job.waited is not None and job.skipped == {"ours"}
@@ -170,7 +174,7 @@ def test_gpu_profile_run_variant_is_the_one_compiled(rows, vocab):
 
     device = torch.device("cuda", torch.cuda.current_device())
     job = start_sampler_compile(rows, vocab, device)
-    assert job is not None and job.kernel is sampler_warm_up._sampling_kernel()
+    assert job is not None and job.kernel is sampler_warm_up.sampling_kernel()
     job._thread.join()
     logits = torch.randn(rows, vocab, device=device)
     k = torch.full((rows,), vocab - 1, device=device)

@@ -25,14 +25,16 @@ method                                  | parameters after self                 
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | plan, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
 `_bookkeeping_sync`                      | scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens | decode bookkeeping
-`capture_model`                         |                                                      | warm-up, precapture, sampler compile joined
+`capture_model`                         |                                                      | warm-up, precapture, sampler compile joined, sampling variants
 
 lifecycle: create the `GraphLifecycle` (it reads the plugin config and creates the one
 `PagedKVStorage`); register: classify the model and its attention layers by exact type and
 install the configured kernels; sampler compile: vLLM's top-k/top-p sampling kernel compiled on
 a thread of its own from the start of the load, its launches in the profile run skipped (their
 samples are discarded), the thread joined after the warm-up, before vLLM's own sampler warm-up
-(`integration/sampler_warm_up.py`); bind: phase profiling or serving; graphs: start the decode
+(`integration/sampler_warm_up.py`); sampling variants: once, after the first capture, a
+subprocess compiles the sampling kernel's other variants into Triton's cache
+(`integration/sampling_variants.py`); bind: phase profiling or serving; graphs: start the decode
 graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
 after super(), except the sampler compile and its skipped launches, the unbind (super frees
 the memory it must release), close (also when super raises) and the per-step ones below.
@@ -66,7 +68,8 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
                                           _cleanup_profiling_kv_cache                (unbind)
     Worker.initialize_from_config      -> initialize_kv_cache(cfg)  (is_profiling=False, bind)
     Worker.compile_or_warm_up_model    -> _dummy_run(...), capture_model()  (warm-up, precapture,
-                                          sampler compile joined), then vLLM's sampler warm-up
+                                          sampler compile joined, sampling variants started),
+                                          then vLLM's sampler warm-up
     per step: execute_model -> _determine_batch_execution_and_padding             (plan)
                             -> _model_forward                                    (replay)
     Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
@@ -88,6 +91,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_moe_graphs.config import plugin_config
 from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
 from vllm_moe_graphs.integration.sampler_warm_up import SamplerCompile, start_for_profile_run
+from vllm_moe_graphs.integration.sampling_variants import ServingVariantsCompile, start_for_runner
 from vllm_moe_graphs.kv.storage import Phase
 
 if TYPE_CHECKING:
@@ -106,6 +110,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
         super().__init__(vllm_config, device)
         self.moe_graphs = GraphLifecycle(self, plugin_config(vllm_config.additional_config))
         self.sampler_compile: SamplerCompile | None = None
+        self.sampling_variants: ServingVariantsCompile | None = None
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         self.sampler_compile = start_for_profile_run(
@@ -239,4 +244,6 @@ class MoeGraphsModelRunner(GPUModelRunner):
             pool_bytes = super().capture_model()
         if self.sampler_compile is not None:
             self.sampler_compile.join()  # before vLLM's sampler warm-up, which follows
+        if self.sampling_variants is None and self.moe_graphs.config.compile_sampling_variants:
+            self.sampling_variants = start_for_runner(self)  # once per engine
         return pool_bytes

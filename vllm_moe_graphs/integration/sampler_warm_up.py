@@ -40,7 +40,7 @@ TRITON_MIN_ROWS = 8  # apply_top_k_top_p: from this many rows on, the Triton ker
 BLOCK_SIZE, BLOCK_SIZE_TRUNC = 8192, 4096  # apply_top_k_top_p_triton's tiles on CUDA
 
 
-def _sampling_kernel() -> Any | None:
+def sampling_kernel() -> Any | None:
     """vLLM's `_topk_topp_kernel` (a Triton JIT function), or None where vLLM has no Triton."""
     try:
         from vllm.v1.sample.ops import topk_topp_triton
@@ -55,20 +55,27 @@ def _variant_keys(kernel: Any) -> set[Any]:
     return {key for caches in getattr(kernel, "device_caches", {}).values() for key in caches[0]}
 
 
-def profile_variant(rows: int, vocab_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of `_topk_topp_kernel.warmup` for the variant vLLM's profile run launches:
-    contiguous float32 logits [rows, vocab_size] (the sampler's float32 copy), top-k as int32
-    and top-p as float32 for every row. Tensors go as their dtypes (Triton's `MockTensor`:
-    aligned, as every allocation of the caching allocator is)."""
+def kernel_variant(rows: int, vocab_size: int, top_k: bool,
+                   top_p: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of `_topk_topp_kernel.warmup` for the variant `apply_top_k_top_p_triton`
+    launches on contiguous float32 logits [rows, vocab_size] (the sampler's float32 copy), with
+    top-k (int32) and/or top-p (float32) for every row; a disabled one's pointer is the logits.
+    Tensors go as their dtypes (Triton's `MockTensor`: aligned, as every allocation of the
+    caching allocator is)."""
     import torch
 
     f32 = torch.float32
     # logits, its row stride, buffer, the two lookup tables, k, p
-    args = (f32, vocab_size, f32, f32, f32, torch.int32, f32)
+    args = (f32, vocab_size, f32, f32, f32, torch.int32 if top_k else f32, f32)
     kwargs = dict(BATCH_SIZE=rows, MASK_VALUE=float("-inf"), VOCAB_SIZE=vocab_size,
                   BLOCK_SIZE=BLOCK_SIZE, BLOCK_SIZE_TRUNC=BLOCK_SIZE_TRUNC,
-                  TOPK_ENABLED=True, TOPP_ENABLED=True)
+                  TOPK_ENABLED=top_k, TOPP_ENABLED=top_p)
     return args, kwargs
+
+
+def profile_variant(rows: int, vocab_size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`kernel_variant` of vLLM's profile run: top-k and top-p on every row."""
+    return kernel_variant(rows, vocab_size, top_k=True, top_p=True)
 
 
 class SamplerCompile:
@@ -138,7 +145,7 @@ def start_sampler_compile(rows: int, vocab_size: int, device: Any) -> SamplerCom
     `rows` rows of `vocab_size` logits on `device`; None where that run does not use the
     kernel (a device other than CUDA, fewer than `TRITON_MIN_ROWS` rows, vLLM without
     Triton)."""
-    kernel = _sampling_kernel()
+    kernel = sampling_kernel()
     if kernel is None or getattr(device, "type", None) != "cuda" or rows < TRITON_MIN_ROWS:
         return None
     args, kwargs = profile_variant(rows, vocab_size)
