@@ -89,6 +89,39 @@ def test_failed_subprocess_is_logged(cache_dir, caplog):
     assert "compiles it on the engine's thread, as in stock vLLM" in caplog.text
 
 
+def test_subprocess_ends_with_the_engine_process(cache_dir):
+    """An engine process that ends (here: `os._exit` a second after the start, as a killed
+    engine core) takes the subprocess with it at once, while it still loads torch and vLLM
+    (otherwise it would end only when it reports its first variant to the closed pipe)."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys\n"
+        "from vllm_moe_graphs.integration.sampling_variants import *\n"
+        "vs = serving_variants(256)\n"
+        "job = ServingVariantsCompile(subprocess_argv(%r, 1000, vs), vs)\n"
+        "print(job._proc.pid, flush=True)\n"
+        "import time; time.sleep(1)\n"
+        "os._exit(0)\n" % (HOPPER,))
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    child = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.2)
+    assert not _alive(child), "the subprocess outlived its engine process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("rows,device,interpret", [
     (7, "cuda", "0"), (256, "cpu", "0"), (256, "cuda", "1")])
 def test_no_subprocess_where_vllm_compiles_no_variant(monkeypatch, rows, device, interpret):

@@ -19,12 +19,11 @@ which writes each into Triton's on-disk cache; the subprocess shares the engine'
 and so its cache directory and key. A launch that needs one then loads it from the cache (no
 compile) instead of compiling it. A thread of the engine only waits for the subprocess and logs
 what it did; a Triton compile in a thread of the engine would hold the GIL for up to 0.2 s at a
-time (measured on CPU), the subprocess holds none of it.
+time (measured on CPU), the subprocess holds none of it. It ends with the engine process.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -75,14 +74,9 @@ class ServingVariantsCompile:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        atexit.register(self._stop)
         self._thread = threading.Thread(target=self._wait, name="moe_graphs-sampling-variants",
                                         daemon=True)
         self._thread.start()
-
-    def _stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
 
     def _wait(self) -> None:
         out, err = self._proc.communicate()
@@ -133,7 +127,7 @@ def start_serving_variants(rows: int, vocab_size: int, device: Any) -> ServingVa
 def subprocess_argv(target: list[Any], vocab_size: int, variants: list[Variant]) -> list[str]:
     """The command line of the subprocess: this module, with the Triton target (backend, arch,
     warp size), the vocabulary and the variants as one JSON argument."""
-    request = {"target": target, "vocab_size": vocab_size,
+    request = {"target": target, "vocab_size": vocab_size, "parent": os.getpid(),
                "variants": [[v.rows, v.top_k, v.top_p] for v in variants]}
     return [sys.executable, "-m", __name__, json.dumps(request)]
 
@@ -187,7 +181,23 @@ def compile_variants(request: dict[str, Any]) -> None:
                           "seconds": round(time.perf_counter() - start, 3)}), flush=True)
 
 
+def _die_with(parent: int) -> None:
+    """On Linux, end this process when the engine process that started it ends (its engine
+    core is a multiprocessing child, which runs no `atexit` handler)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(0)
+
+
 if __name__ == "__main__":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch and vLLM load: no CUDA context
+    _request = json.loads(sys.argv[1])
+    _die_with(_request["parent"])
     os.nice(10)
-    compile_variants(json.loads(sys.argv[1]))
+    compile_variants(_request)
