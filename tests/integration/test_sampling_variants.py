@@ -34,8 +34,11 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _cache_files(root) -> set[str]:
-    return {os.path.join(d, f) for d, _, files in os.walk(root) for f in files}
+def _kernel_files(root) -> set[str]:
+    """The files of `_topk_topp_kernel`'s compiled variants in the Triton cache at `root`
+    (not the launcher stubs Triton builds per argument signature on a first launch)."""
+    return {os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+            if "_topk_topp_kernel" in f}
 
 
 def test_serving_variants_are_what_batches_of_8_rows_and_more_reach():
@@ -73,7 +76,7 @@ def test_subprocess_compiles_into_the_triton_cache_without_cuda(cache_dir, caplo
         assert job.join(timeout=600), "the subprocess did not finish"
     assert job.error is None, job.error
     assert [(c["rows"], c["top_k"], c["top_p"]) for c in job.compiled] == [(8, False, True)]
-    assert [f for f in _cache_files(cache_dir) if f.endswith("_topk_topp_kernel.cubin")]
+    assert [f for f in _kernel_files(cache_dir) if f.endswith("_topk_topp_kernel.cubin")]
     assert "1 variant(s) of vLLM's top-k/top-p sampling kernel for serving" in caplog.text
 
 
@@ -163,7 +166,8 @@ def test_runner_starts_it_once_after_its_first_capture(monkeypatch, enabled):
 def test_gpu_vllms_launches_load_every_variant_the_subprocess_compiled(cache_dir):
     """After the subprocess (started as the runner starts it, for 16 rows), vLLM's
     `apply_top_k_top_p_triton` on real tensors of each variant (8, 9, 16 and 32 rows; top-k and
-    top-p, top-p only, top-k only) writes nothing to the cache: every launch loaded its variant.
+    top-p, top-p only, top-k only) writes no kernel to the cache: every launch loaded its
+    variant.
     A vocabulary no other test uses keeps the variants out of this process's memory; a launch
     of one more vocabulary, which the subprocess did not compile, writes to the cache (so the
     check can fail). Each launch masked: every row keeps at least its largest logit, as it was."""
@@ -174,7 +178,7 @@ def test_gpu_vllms_launches_load_every_variant_the_subprocess_compiled(cache_dir
     job = start_serving_variants(16, vocab, device)
     assert job is not None and len(job.variants) == 6
     assert job.join(timeout=600) and job.error is None, job.error
-    compiled = _cache_files(cache_dir)
+    compiled = _kernel_files(cache_dir)
     gen = torch.Generator(device=device).manual_seed(0)
     for rows in (8, 9, 16, 32):
         for top_k, top_p in sampling_variants.FLAGS:
@@ -186,7 +190,7 @@ def test_gpu_vllms_launches_load_every_variant_the_subprocess_compiled(cache_dir
             assert kept.any(dim=1).all() and not kept.all(), (rows, top_k, top_p)
             assert torch.equal(masked[kept], logits[kept])
     torch.cuda.synchronize()
-    assert _cache_files(cache_dir) == compiled, "a launch compiled a variant"
+    assert _kernel_files(cache_dir) == compiled, "a launch compiled a variant"
     apply_top_k_top_p_triton(torch.randn(9, vocab + 16, device=device), None,
                              torch.full((9,), 0.9, device=device))
-    assert _cache_files(cache_dir) != compiled
+    assert _kernel_files(cache_dir) != compiled
