@@ -126,11 +126,12 @@ class PluginConfig:
     # 0, vLLM's top-k/top-p sampling kernel also compiles on a thread of its own from the start
     # of model loading to the end of the warm-up (integration/sampler_warm_up.py).
     warm_up_compile_threads: int = 8
-    # Once the engine is ready, a niced subprocess without CUDA compiles into Triton's cache the
-    # variants of vLLM's top-k/top-p sampling kernel that traffic can reach (top-k and/or top-p,
-    # row counts divisible by 16 and not; integration/sampling_variants.py): the first batch of
-    # 8+ requests sampling with top-k or top-p (Qwen3's generation config sets both) loads its
-    # variant instead of compiling it on the engine's thread (6-8 s, every request waiting).
+    # From the end of the start-up warm-up on, a niced subprocess without CUDA compiles into
+    # Triton's cache the variants of vLLM's top-k/top-p sampling kernel that traffic can reach
+    # (top-k and/or top-p, row counts divisible by 16 and not; integration/sampling_variants.py):
+    # the first batch of 8+ requests sampling with top-k or top-p (Qwen3's generation config sets
+    # both) loads its variant instead of compiling it on the engine's thread (2.4-9.3 s on an
+    # H100 host, every request waiting).
     compile_sampling_variants: bool = True
 
     @classmethod

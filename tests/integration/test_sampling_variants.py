@@ -92,6 +92,13 @@ def test_failed_subprocess_is_logged(cache_dir, caplog):
     assert "compiles it on the engine's thread, as in stock vLLM" in caplog.text
 
 
+def test_no_process_to_start_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="vllm.moe_graphs"):
+        assert sampling_variants.launch(["/nonexistent/python"], serving_variants(8)) is None
+    assert "no subprocess to compile vLLM's top-k/top-p sampling kernel for serving " \
+           "(FileNotFoundError" in caplog.text
+
+
 def test_subprocess_ends_with_the_engine_process(cache_dir):
     """An engine process that ends (here: `os._exit` a second after the start, as a killed
     engine core) takes the subprocess with it at once, while it still loads torch and vLLM

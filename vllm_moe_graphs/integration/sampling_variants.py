@@ -1,5 +1,5 @@
 """The variants of vLLM's top-k/top-p sampling kernel that traffic can reach, compiled into
-Triton's cache by a low-priority subprocess once the engine is ready.
+Triton's cache by a low-priority subprocess from the end of the start-up warm-up on.
 
 vLLM 0.26 masks the logits of a batch of 8 or more sampled rows with top-k and/or top-p through
 its Triton kernel `_topk_topp_kernel`. A variant is compiled on first launch, on the engine's
@@ -105,7 +105,8 @@ class ServingVariantsCompile:
         return not self._thread.is_alive()
 
 
-def start_serving_variants(rows: int, vocab_size: int, device: Any) -> ServingVariantsCompile | None:
+def start_serving_variants(rows: int, vocab_size: int,
+                           device: Any) -> ServingVariantsCompile | None:
     """Start the subprocess for the variants of at most `rows` sampled rows of `vocab_size`
     logits on CUDA `device`; None where vLLM never launches the kernel (fewer than
     `TRITON_MIN_ROWS` rows, a device other than CUDA, vLLM without Triton) or compiles
@@ -121,7 +122,18 @@ def start_serving_variants(rows: int, vocab_size: int, device: Any) -> ServingVa
     target = driver.active.get_current_target()  # the engine thread's current device
     variants = serving_variants(rows)
     target_fields = [target.backend, target.arch, target.warp_size]
-    return ServingVariantsCompile(subprocess_argv(target_fields, vocab_size, variants), variants)
+    return launch(subprocess_argv(target_fields, vocab_size, variants), variants)
+
+
+def launch(argv: list[str], variants: list[Variant]) -> ServingVariantsCompile | None:
+    """`ServingVariantsCompile` of `argv`; None, with a warning, where no process can start."""
+    try:
+        return ServingVariantsCompile(argv, variants)
+    except OSError as exc:  # e.g. out of memory: serving goes on
+        logger.warning("moe_graphs: no subprocess to compile vLLM's top-k/top-p sampling kernel "
+                       "for serving (%s: %s); a batch that needs a variant compiles it on the "
+                       "engine's thread, as in stock vLLM", type(exc).__name__, exc)
+        return None
 
 
 def subprocess_argv(target: list[Any], vocab_size: int, variants: list[Variant]) -> list[str]:
