@@ -159,13 +159,12 @@ def start_sampler_compile(rows: int, vocab_size: int, device: Any) -> SamplerCom
     return SamplerCompile(kernel, compile_variant)
 
 
-def start_for_profile_run(runner: Any, compile_threads: int) -> SamplerCompile | None:
-    """`start_sampler_compile` for the profile run of vLLM's V1 `GPUModelRunner` `runner`
-    (`_dummy_sampler_run`: min(max_num_seqs, max_num_batched_tokens) rows of the model's vocab,
-    on the last pipeline stage of a generating model); None with `compile_threads` 0
-    (`warm_up_compile_threads`: every start-up compile on the engine's thread)."""
-    if (compile_threads <= 0 or getattr(runner, "is_pooling_model", False)
-            or runner.device.type != "cuda"):
+def sampled_rows(runner: Any) -> tuple[int, int] | None:
+    """(rows, vocabulary) of what vLLM's V1 `GPUModelRunner` `runner` samples at most: min(
+    max_num_seqs, max_num_batched_tokens) rows of the model's vocab, as its profile run's
+    `_dummy_sampler_run` does; None where it samples nothing on CUDA (a pooling model, a device
+    other than CUDA, a pipeline stage before the last)."""
+    if getattr(runner, "is_pooling_model", False) or runner.device.type != "cuda":
         return None
     from vllm.distributed.parallel_state import get_pp_group
 
@@ -173,4 +172,12 @@ def start_for_profile_run(runner: Any, compile_threads: int) -> SamplerCompile |
         return None
     scheduler = runner.scheduler_config
     rows = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-    return start_sampler_compile(rows, runner.model_config.get_vocab_size(), runner.device)
+    return rows, runner.model_config.get_vocab_size()
+
+
+def start_for_profile_run(runner: Any, compile_threads: int) -> SamplerCompile | None:
+    """`start_sampler_compile` for the profile run of vLLM's V1 `GPUModelRunner` `runner`
+    (`sampled_rows`); None with `compile_threads` 0 (`warm_up_compile_threads`: every start-up
+    compile on the engine's thread)."""
+    sampled = sampled_rows(runner) if compile_threads > 0 else None
+    return None if sampled is None else start_sampler_compile(*sampled, runner.device)

@@ -37,6 +37,7 @@ from typing import Any
 from vllm_moe_graphs.integration.sampler_warm_up import (
     TRITON_MIN_ROWS,
     kernel_variant,
+    sampled_rows,
     sampling_kernel,
 )
 
@@ -145,17 +146,9 @@ def subprocess_argv(target: list[Any], vocab_size: int, variants: list[Variant])
 
 
 def start_for_runner(runner: Any) -> ServingVariantsCompile | None:
-    """`start_serving_variants` for vLLM's V1 `GPUModelRunner` `runner`: a generating model on
-    the last pipeline stage samples at most min(max_num_seqs, max_num_batched_tokens) rows."""
-    if getattr(runner, "is_pooling_model", False) or runner.device.type != "cuda":
-        return None
-    from vllm.distributed.parallel_state import get_pp_group
-
-    if not get_pp_group().is_last_rank:
-        return None
-    scheduler = runner.scheduler_config
-    rows = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-    return start_serving_variants(rows, runner.model_config.get_vocab_size(), runner.device)
+    """`start_serving_variants` for vLLM's V1 `GPUModelRunner` `runner` (`sampled_rows`)."""
+    sampled = sampled_rows(runner)
+    return None if sampled is None else start_serving_variants(*sampled, runner.device)
 
 
 class _TargetOnlyDriver:
