@@ -138,7 +138,7 @@ def test_no_subprocess_where_vllm_compiles_no_variant(monkeypatch, rows, device,
     """Below 8 rows vLLM sorts in PyTorch; off CUDA the kernel's tiles differ; Triton's
     interpreter compiles nothing. (vLLM's kernel stands in as an object with `warmup`: on a
     machine without a GPU vLLM has no Triton kernel at all.)"""
-    monkeypatch.setattr(sampling_variants, "sampling_kernel",
+    monkeypatch.setattr(sampler_warm_up, "sampling_kernel",
                         lambda: types.SimpleNamespace(warmup=None))
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     assert start_serving_variants(rows, 151936, torch.device(device)) is None

@@ -50,6 +50,15 @@ def sampling_kernel() -> Any | None:
     return kernel if hasattr(kernel, "warmup") else None
 
 
+def launched_kernel(rows: int, device: Any) -> Any | None:
+    """`sampling_kernel()` where vLLM launches it for a batch of `rows` sampled rows on
+    `device`; None where it does not: a device other than CUDA (other tiles), fewer than
+    `TRITON_MIN_ROWS` rows (vLLM sorts in PyTorch), vLLM without Triton."""
+    if getattr(device, "type", None) != "cuda" or rows < TRITON_MIN_ROWS:
+        return None
+    return sampling_kernel()
+
+
 def _variant_keys(kernel: Any) -> set[Any]:
     """The keys of the variants the kernel holds compiled, over every device."""
     return {key for caches in getattr(kernel, "device_caches", {}).values() for key in caches[0]}
@@ -143,10 +152,9 @@ class SamplerCompile:
 def start_sampler_compile(rows: int, vocab_size: int, device: Any) -> SamplerCompile | None:
     """Start compiling the variant of `_topk_topp_kernel` vLLM's profile run will launch for
     `rows` rows of `vocab_size` logits on `device`; None where that run does not use the
-    kernel (a device other than CUDA, fewer than `TRITON_MIN_ROWS` rows, vLLM without
-    Triton)."""
-    kernel = sampling_kernel()
-    if kernel is None or getattr(device, "type", None) != "cuda" or rows < TRITON_MIN_ROWS:
+    kernel (`launched_kernel`)."""
+    kernel = launched_kernel(rows, device)
+    if kernel is None:
         return None
     args, kwargs = profile_variant(rows, vocab_size)
 

@@ -37,6 +37,7 @@ from typing import Any
 from vllm_moe_graphs.integration.sampler_warm_up import (
     TRITON_MIN_ROWS,
     kernel_variant,
+    launched_kernel,
     sampled_rows,
     sampling_kernel,
 )
@@ -109,11 +110,9 @@ class ServingVariantsCompile:
 def start_serving_variants(rows: int, vocab_size: int,
                            device: Any) -> ServingVariantsCompile | None:
     """Start the subprocess for the variants of at most `rows` sampled rows of `vocab_size`
-    logits on CUDA `device`; None where vLLM never launches the kernel (fewer than
-    `TRITON_MIN_ROWS` rows, a device other than CUDA, vLLM without Triton) or compiles
-    nothing (Triton's interpreter)."""
-    kernel = sampling_kernel()
-    if kernel is None or getattr(device, "type", None) != "cuda" or rows < TRITON_MIN_ROWS:
+    logits on CUDA `device`; None where vLLM never launches the kernel (`launched_kernel`)
+    or compiles nothing (Triton's interpreter)."""
+    if launched_kernel(rows, device) is None:
         return None
     from triton import knobs
     from triton.runtime import driver
