@@ -54,12 +54,36 @@ def test_eligible_config():
     (dict(offload="uva_disabled"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
     (dict(offload="prefetch"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
     (dict(offload="something_new"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
+    (dict(quantization="fp8"), Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization="awq"), Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(sliding_window=4096), Reason.SLIDING_WINDOW),
+    (dict(runner_type="pooling"), Reason.POOLING_RUNNER),
+    (dict(data_parallel_size=2, is_moe=True), Reason.DATA_PARALLEL),
+    (dict(user_compilation="-O3"), Reason.USER_COMPILATION),
+    (dict(user_compilation="-cc.cudagraph_mode=FULL_DECODE_ONLY"), Reason.USER_COMPILATION),
+    (dict(enforce_eager=True, user_compilation="-O3"), Reason.ENFORCE_EAGER),
 ])
 def test_each_config_deny(change, reason):
     report = config_capability(dataclasses.replace(ELIGIBLE_FACTS, **change))
     assert not report.eligible
     assert report.reasons == (reason,)
     assert reason.value in report.render() and REMEDY[reason] in report.render()
+
+
+@pytest.mark.parametrize("change", [
+    dict(data_parallel_size=2, is_moe=False),  # a dense model's DP ranks are independent engines
+    dict(sliding_window=0),  # 0 is vLLM's "no window"
+    dict(quantization=None, user_compilation=""),
+])
+def test_settings_that_stay_eligible(change):
+    assert config_capability(dataclasses.replace(ELIGIBLE_FACTS, **change)).eligible
+
+
+def test_no_quantization_is_proven_yet():
+    # deny by default: a method joins PROVEN_QUANTIZATION only with its GPU parity test
+    from vllm_moe_graphs.capability import PROVEN_QUANTIZATION
+
+    assert PROVEN_QUANTIZATION == frozenset()
 
 
 def test_mla_wins_over_architecture_even_with_qwen_name():

@@ -27,6 +27,19 @@ def _config_dir(tmp_path, cfg) -> str:
     return str(tmp_path)
 
 
+def doctor_shape(name: str):
+    from vllm_moe_graphs.model_configs import resolve_model
+
+    import pathlib
+
+    return pathlib.Path(resolve_model(name))
+
+
+def _reasons(out: str) -> list[str]:
+    """The reasons a doctor report lists, in order."""
+    return [ln.split()[1] for ln in out.splitlines() if ln.startswith("  - ")]
+
+
 def _run(capsys, *argv):
     code = cli_main(["doctor", *argv])
     out = capsys.readouterr()
@@ -63,11 +76,107 @@ def test_llama_reports_unsupported_architecture(capsys, tmp_path):
     (["--dtype", "float32"], "unsupported_dtype"),
     (["--offload-group-size", "4", "--offload-num-in-group", "1"], "offload_not_graph_safe"),
     (["--additional-config", '{"moe_graphs": {"enabled": false}}'], "disabled_by_config"),
+    (["-q", "fp8"], "unsupported_quantization (quantization fp8)"),
+    (["--quantization", "awq"], "unsupported_quantization (quantization awq)"),
+    (["--runner", "pooling"], "pooling_runner (runner pooling)"),
+    (["--convert", "embed"], "pooling_runner (runner pooling)"),
+    (["-dp", "2"], "data_parallel (data_parallel_size=2 with an MoE model)"),
+    (["--data-parallel-size", "4"], "data_parallel (data_parallel_size=4 with an MoE model)"),
+    (["-O3"], "user_compilation (-O3)"),
+    (["-O", "1"], "user_compilation (-O1)"),
+    (["--optimization-level", "0"], "user_compilation (-O0)"),
+    (["-cc.cudagraph_mode=FULL_DECODE_ONLY"],
+     "user_compilation (-cc.cudagraph_mode=FULL_DECODE_ONLY)"),
+    (["-cc.mode", "VLLM_COMPILE"], "user_compilation (-cc.mode=VLLM_COMPILE)"),
+    (["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'],
+     "user_compilation (-cc.cudagraph_mode=PIECEWISE)"),
 ])
 def test_engine_flags_map_to_reasons(capsys, flags, reason):
     code, out = _run(capsys, "qwen3-30b-a3b", *flags)
     assert code == doctor.EXIT_NOT_ELIGIBLE
     assert reason in out
+    assert "not read" not in out  # every flag that decides eligibility is read
+
+
+@pytest.mark.parametrize("flags", [
+    ["-dp", "2"],  # a dense model's data-parallel ranks are independent engines
+    ["-O2"],  # vLLM's default level
+    ["-cc.mode=NONE", "-cc.cudagraph_mode=NONE"],  # the plugin's explicit route
+    ["--compilation-config", '{"mode": "NONE"}'],
+    ["--runner", "generate"],
+])
+def test_settings_the_plugin_takes(capsys, flags):
+    code, out = _run(capsys, "qwen3-0.6b", *flags)
+    assert _reasons(out) == ["no_cuda"], out  # the only reason on a CPU machine
+    assert "not read" not in out
+
+
+def test_sliding_window_checkpoint(capsys, tmp_path):
+    hf = json.loads((doctor_shape("qwen3-0.6b") / "config.json").read_text())
+    hf.update(use_sliding_window=True, sliding_window=4096)
+    model = _config_dir(tmp_path, hf)
+    code, out = _run(capsys, model)
+    assert "sliding_window (sliding window of 4096 tokens)" in out
+    assert "--disable-sliding-window" in out  # the fix
+    code, out = _run(capsys, model, "--disable-sliding-window")
+    assert _reasons(out) == ["no_cuda"], out
+    assert "decode graphs cover every context up to max_model_len 4096" in out  # vLLM's cap
+    hf.update(use_sliding_window=False)  # transformers drops the window then
+    code, out = _run(capsys, _config_dir(tmp_path, hf))
+    assert _reasons(out) == ["no_cuda"], out
+
+
+def test_quantized_checkpoint(capsys, tmp_path):
+    hf = json.loads((doctor_shape("qwen3-30b-a3b") / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                 "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    code, out = _run(capsys, _config_dir(tmp_path, hf))
+    assert code == doctor.EXIT_NOT_ELIGIBLE
+    assert "unsupported_quantization (quantization fp8)" in out
+
+
+def test_sentence_transformers_checkpoint_is_a_pooling_model(capsys, tmp_path):
+    # e.g. Qwen3-Embedding: a Qwen3ForCausalLM config with sentence-transformers modules,
+    # which vLLM runs as a pooling model without any flag
+    hf = json.loads((doctor_shape("qwen3-0.6b") / "config.json").read_text())
+    model = _config_dir(tmp_path, hf)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hf["hidden_size"], "pooling_mode_lasttoken": True}))
+    code, out = _run(capsys, model)
+    assert "pooling_runner (runner pooling)" in out
+
+
+def test_contexts_past_the_largest_bucket(capsys):
+    code, out = _run(capsys, "qwen3-0.6b", "--max-model-len", "262144")
+    assert ("decode steps whose context is past 131072 tokens (up to max_model_len 262144) run "
+            "eager (context_too_long): add 262144 to context_buckets") in out
+    assert "not read" not in out
+    code, out = _run(capsys, "qwen3-0.6b", "--max_model_len=256k", "--additional-config",
+                     '{"moe_graphs": {"context_buckets": [2048, 8192, 32768, 131072, 262144]}}')
+    assert "past 262144 tokens (up to max_model_len 256000)" not in out
+    assert "decode graphs cover every context up to max_model_len 256000" in out
+    code, out = _run(capsys, "qwen3-0.6b")  # the checkpoint's 40960 positions
+    assert "decode graphs cover every context up to max_model_len 40960" in out
+    code, out = _run(capsys, "qwen3-0.6b", "--max-model-len", "lots")
+    assert code == doctor.EXIT_BAD_INPUT and "--max-model-len 'lots'" in out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["-O3"], ["--optimization-level", "3"]),
+    (["-O=1"], ["--optimization-level", "1"]),
+    (["-O", "0"], ["--optimization-level", "0"]),
+    (["--max_model_len=8k", "--enable_lora"], ["--max-model-len=8k", "--enable-lora"]),
+    (["-cc.mode=NONE", "-cc.cudagraph_mode", "FULL", "--compilation-config.pass_config.x=1"],
+     ["--compilation-config",
+      '{"mode": "NONE", "cudagraph_mode": "FULL", "pass_config": {"x": 1}}']),
+])
+def test_flags_spelled_as_vllm_serve_reads_them(argv, expected):
+    assert doctor.normalise_flags(argv) == expected
 
 
 def test_uva_expert_offload_is_not_a_deny(capsys):
@@ -84,8 +193,8 @@ def test_uva_disabled_offload_is_denied(capsys, monkeypatch):
 
 
 def test_unread_flags_are_listed(capsys):
-    code, out = _run(capsys, "qwen3-0.6b", "--max-model-len", "1024")
-    assert "not read (do not affect eligibility): --max-model-len 1024" in out
+    code, out = _run(capsys, "qwen3-0.6b", "--served-model-name", "chat")
+    assert "not read (do not affect eligibility): --served-model-name chat" in out
 
 
 def test_bad_plugin_config_exits_2(capsys):

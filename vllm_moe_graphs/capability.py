@@ -33,6 +33,11 @@ class Reason(str, enum.Enum):
     SPECULATIVE_DECODING = "speculative_decoding"
     LORA = "lora"
     OFFLOAD_NOT_GRAPH_SAFE = "offload_not_graph_safe"
+    UNSUPPORTED_QUANTIZATION = "unsupported_quantization"
+    SLIDING_WINDOW = "sliding_window"
+    POOLING_RUNNER = "pooling_runner"
+    DATA_PARALLEL = "data_parallel"
+    USER_COMPILATION = "user_compilation"
     # runtime (storage adapter, runner)
     STORAGE_UNBOUND = "storage_unbound"
     STORAGE_IDENTITY_CHANGED = "storage_identity_changed"
@@ -69,6 +74,17 @@ REMEDY: dict[Reason, str] = {
     Reason.LORA: "drop --enable-lora; LoRA runs stock vLLM",
     Reason.OFFLOAD_NOT_GRAPH_SAFE: "use UVA offload (--cpu-offload-gb N, pinned memory, "
     "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA unset) or no offload",
+    Reason.UNSUPPORTED_QUANTIZATION: "quantized weights are not proven under the plugin's graphs "
+    "yet: stock vLLM serves them with its own graphs; serve a bfloat16 / float16 checkpoint "
+    "without --quantization to use the plugin",
+    Reason.SLIDING_WINDOW: "pass --disable-sliding-window (vLLM then caps --max-model-len at the "
+    "window) to use the plugin; with the window on, stock vLLM runs",
+    Reason.POOLING_RUNNER: "the plugin graphs text generation only; pooling models (--runner "
+    "pooling, --convert embed/classify, sentence-transformers checkpoints) run stock vLLM",
+    Reason.DATA_PARALLEL: "use --data-parallel-size 1 with an MoE model (its ranks pad and sync "
+    "every step together, which the plugin's graphs do not follow yet); stock vLLM runs",
+    Reason.USER_COMPILATION: "stock vLLM runs the compilation you asked for; drop -O<n> and the "
+    "--compilation-config mode / cudagraph_mode (or set both to NONE) to use the plugin's graphs",
     Reason.STORAGE_UNBOUND: "the KV storage adapter is not bound yet: graphs start after the KV "
     "cache is allocated; if this persists, report it",
     Reason.STORAGE_IDENTITY_CHANGED: "the KV cache moved (sleep/wake, reload): graphs are "
@@ -101,6 +117,9 @@ MLA_ARCHITECTURES = frozenset(
 SUPPORTED_DTYPES = frozenset({"bfloat16", "float16"})
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)  # what the attention kernels are built for
 GRAPH_SAFE_OFFLOAD = frozenset({"none", "uva"})
+# Weight quantization methods (vLLM's names) proven by a GPU parity test against stock vLLM;
+# every other method is denied (`unsupported_quantization`) and runs stock vLLM.
+PROVEN_QUANTIZATION: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +208,20 @@ class ConfigFacts:
     plugin_enabled: bool = True
     disabled_by_env: bool = False
     head_size: int | None = None  # attention head size (None: not known)
+    quantization: str | None = None  # weight quantization method ("fp8", "awq", ...); None: none
+    sliding_window: int | None = None  # attention window in tokens; None: full attention
+    runner_type: str = "generate"  # vLLM's runner: "generate" or "pooling"
+    data_parallel_size: int = 1
+    is_moe: bool = False  # the model has MoE layers (its data-parallel ranks step together)
+    # compilation settings the user chose that the plugin's take-over would override ("-O3",
+    # "cudagraph_mode FULL_DECODE_ONLY", ...); "" when none
+    user_compilation: str = ""
 
 
 # Proofs that every runtime report must carry before replay is allowed.
-CONFIG_PROOFS = ("env", "plugin_config", "platform", "architecture", "dtype", "eager",
-                 "parallelism", "speculative", "lora", "offload")
+CONFIG_PROOFS = ("env", "plugin_config", "platform", "architecture", "dtype", "quantization",
+                 "sliding_window", "runner", "eager", "compilation", "parallelism",
+                 "data_parallel", "speculative", "lora", "offload")
 RUNTIME_PROOFS = ("storage",)
 
 
@@ -228,12 +256,26 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
         architecture_proof(facts),
         _proof("dtype", dtype_ok, Reason.UNSUPPORTED_DTYPE,
                f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}"),
+        _proof("quantization", facts.quantization in {None, *PROVEN_QUANTIZATION},
+               Reason.UNSUPPORTED_QUANTIZATION,
+               f"quantization {facts.quantization}"),
+        _proof("sliding_window", not facts.sliding_window, Reason.SLIDING_WINDOW,
+               f"sliding window of {facts.sliding_window} tokens"),
+        _proof("runner", facts.runner_type == "generate", Reason.POOLING_RUNNER,
+               f"runner {facts.runner_type}"),
         _proof("eager", not facts.enforce_eager, Reason.ENFORCE_EAGER, "--enforce-eager is set"),
+        # with --enforce-eager nothing is compiled or captured: the eager proof says why
+        _proof("compilation", facts.enforce_eager or not facts.user_compilation,
+               Reason.USER_COMPILATION, facts.user_compilation),
         _proof("parallelism", facts.pipeline_parallel_size == 1, Reason.PIPELINE_PARALLEL,
                f"pipeline_parallel_size={facts.pipeline_parallel_size}")
         if facts.pipeline_parallel_size != 1 else
         _proof("parallelism", facts.tensor_parallel_size == 1, Reason.TENSOR_PARALLEL,
                f"tensor_parallel_size={facts.tensor_parallel_size}"),
+        # a dense model's data-parallel ranks are independent engines (vLLM runs each as DP 1)
+        _proof("data_parallel", facts.data_parallel_size == 1 or not facts.is_moe,
+               Reason.DATA_PARALLEL,
+               f"data_parallel_size={facts.data_parallel_size} with an MoE model"),
         _proof("speculative", not facts.speculative, Reason.SPECULATIVE_DECODING,
                "a speculative config is set"),
         _proof("lora", not facts.lora, Reason.LORA, "--enable-lora is set"),

@@ -42,13 +42,21 @@ def test_defaults_are_taken_over(monkeypatch):
     assert hooks.take_over_decode_graphs(cfg) == ([], [])
 
 
-def test_user_compilation_mode_is_kept_and_vllm_capture_forced_off():
-    cfg = _config(mode=CompilationMode.VLLM_COMPILE,
-                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
-    edits, conflicts = hooks.take_over_decode_graphs(cfg)
-    assert conflicts == [] and "cudagraph_mode=NONE" in edits
-    assert cfg.compilation_config.mode is CompilationMode.VLLM_COMPILE
-    assert cfg.compilation_config.cudagraph_mode is CUDAGraphMode.NONE
+@pytest.mark.parametrize("level,mode,cudagraph_mode,chosen", [
+    (2, None, None, ""),  # vLLM's defaults: the plugin replaces them (documented)
+    (2, CompilationMode.NONE, CUDAGraphMode.NONE, ""),  # the plugin's explicit route
+    (2, CompilationMode.NONE, None, ""),  # no torch.compile, as the plugin runs
+    (3, None, None, "-O3"),
+    (0, None, None, "-O0"),
+    (2, CompilationMode.VLLM_COMPILE, None, "-cc.mode=VLLM_COMPILE"),
+    (2, None, CUDAGraphMode.FULL_DECODE_ONLY, "-cc.cudagraph_mode=FULL_DECODE_ONLY"),
+    (1, CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE,
+     "-O1 -cc.mode=VLLM_COMPILE -cc.cudagraph_mode=PIECEWISE"),
+])
+def test_user_compilation_choices(level, mode, cudagraph_mode, chosen):
+    from vllm_moe_graphs.integration.config_facts import user_compilation
+
+    assert user_compilation(level, mode, cudagraph_mode) == chosen
 
 
 @pytest.mark.parametrize("change,conflict", [

@@ -8,6 +8,8 @@ eligibility.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 
 from vllm_moe_graphs import __version__
@@ -18,8 +20,6 @@ EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _json(text: str) -> dict:
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -49,11 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-offload-gb", type=float, default=0.0)
     p.add_argument("--cpu-offload-params", nargs="*", default=None)
     p.add_argument("--offload-group-size", type=int, default=0)
+    p.add_argument("--offload-num-in-group", type=int, default=None)
+    p.add_argument("--offload-prefetch-step", type=int, default=None)
     p.add_argument("--offload-backend", default="auto", choices=["auto", "uva", "prefetch"])
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--disable-sliding-window", action="store_true")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling", "draft"])
+    p.add_argument("--convert", default="auto")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--optimization-level", type=int, default=2, choices=[0, 1, 2, 3],
+                   help="also -O<n>")
+    p.add_argument("--compilation-config", "-cc", type=_json, default=None,
+                   help="also -cc.<key>=<value>")
     p.add_argument("--additional-config", type=_json, default=None)
+    # which contexts decode graphs cover (context_lines), not eligibility
+    p.add_argument("--max-model-len", default=None)
     # where the graph pool's memory comes from (memory_lines), not eligibility
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory-bytes", default=None)
@@ -61,6 +74,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MEMORY_FLAGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+_DOTTED_CC = re.compile(r"^(?:-cc|--compilation-config)\.([\w.]+)(?:=(.*))?$")
+
+
+def normalise_flags(argv: list[str]) -> list[str]:
+    """`vllm serve`'s flag spellings that plain argparse does not read, as vLLM's
+    `FlexibleArgumentParser` reads them: `--max_model_len` for `--max-model-len`, `-O3` / `-O 3`
+    / `-O=3` for `--optimization-level 3`, `-cc.<key>=<value>` (or `-cc.<key> <value>`, dotted
+    keys nest) merged into one `--compilation-config` JSON that replaces an earlier one."""
+    out: list[str] = []
+    dotted: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if (m := _DOTTED_CC.match(arg)):
+            value = m.group(2)
+            if value is None and i + 1 < len(argv):
+                i, value = i + 1, argv[i + 1]
+            try:
+                value = json.loads(value)
+            except (TypeError, json.JSONDecodeError):
+                pass
+            *parents, leaf = m.group(1).split(".")
+            node = dotted
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+        elif arg.startswith("-O") and arg != "-O" and not arg.startswith("-O."):
+            out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+        elif arg == "-O":
+            out.append("--optimization-level")
+        elif arg.startswith("--"):
+            key, eq, value = arg.partition("=")
+            out.append(key.replace("_", "-") + eq + value)
+        else:
+            out.append(arg)
+        i += 1
+    if dotted:
+        out += ["--compilation-config", json.dumps(dotted)]
+    return out
 
 
 def prefill_steps_lines(cfg: PluginConfig, fa3_problem: str | None) -> list[str]:
@@ -149,11 +201,40 @@ def memory_lines(cfg: PluginConfig, gpu_memory_utilization: float,
     return [f"graph memory: a pool of up to {budget} MiB (graph_memory_budget_mib), {where}"]
 
 
+def context_lines(cfg: PluginConfig, max_model_len: int) -> list[str]:
+    """Which decode contexts the graphs cover under plugin config `cfg`."""
+    from vllm_moe_graphs.graphs.buckets import context_coverage
+
+    uncovered = context_coverage(cfg.context_buckets, max_model_len)
+    if uncovered is not None:
+        return [uncovered]
+    return [f"decode graphs cover every context up to max_model_len {max_model_len}"]
+
+
+def _max_model_len(given: str | None, hf: dict, sliding_window_off: bool) -> int:
+    """--max-model-len as vLLM reads it, else the checkpoint's (max_position_embeddings; the
+    window when --disable-sliding-window caps it)."""
+    if given not in (None, "auto", "-1"):
+        from vllm.utils.argparse_utils import human_readable_int
+
+        try:
+            return int(human_readable_int(given))
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"--max-model-len {given!r}: expected a number of tokens such as "
+                             f"32768 or 32k ({exc})") from exc
+    derived = int(hf.get("max_position_embeddings") or 0)
+    window = int(hf.get("sliding_window") or 0)
+    if sliding_window_off and 0 < window < derived:
+        return window
+    return derived
+
+
 def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], list[str]]:
     """Parse `MODEL [engine args]`; return (model, report, the lines on how steps run (prefill
-    tokens, MoE padding rows), flags doctor did not read). The arguments are parsed before vLLM
-    is imported, so `--help` and usage errors answer at once."""
-    args, unread = build_parser().parse_known_args(argv)
+    tokens, decode contexts, MoE padding rows, graph memory), flags doctor did not read). The
+    arguments are parsed before vLLM is imported, so `--help` and usage errors answer at
+    once."""
+    args, unread = build_parser().parse_known_args(normalise_flags(argv))
 
     from vllm import EngineArgs
 
@@ -170,11 +251,14 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     model = resolve_model(args.model_or_config_dir)
     hf = read_hf_config(model)
     kwargs = {k: v for k, v in vars(args).items()
-              if k != "model_or_config_dir" and k not in MEMORY_FLAGS and v is not None}
+              if k not in ("model_or_config_dir", "max_model_len", *MEMORY_FLAGS)
+              and v is not None}
     if "cpu_offload_params" in kwargs:
         kwargs["cpu_offload_params"] = set(kwargs["cpu_offload_params"])
     engine_args = EngineArgs(model=model, **kwargs)
-    steps = (prefill + capture_lines(cfg) + moe_padding_lines(cfg, hf.get("num_experts"))
+    max_model_len = _max_model_len(args.max_model_len, hf, args.disable_sliding_window)
+    steps = (prefill + context_lines(cfg, max_model_len) + capture_lines(cfg)
+             + moe_padding_lines(cfg, hf.get("num_experts"))
              + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
                             vllm_sets_aside_graph_memory()))
     return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread

@@ -126,6 +126,20 @@ def attention_context_buckets(configured: Sequence[int], max_model_len: int) -> 
     return fitted if fitted[-1] == max_model_len else fitted + (max_model_len,)
 
 
+def context_coverage(context_buckets: Sequence[int], max_model_len: int) -> str | None:
+    """What an operator must hear when decode contexts past the largest context bucket exist
+    (`context_buckets` as configured, before fitting): such steps run eager
+    (`context_too_long`) and the setting that covers them. None when the buckets cover
+    `max_model_len`."""
+    last = context_buckets[-1]
+    if last >= max_model_len:
+        return None
+    return (f"decode steps whose context is past {last} tokens (up to max_model_len "
+            f"{max_model_len}) run eager (context_too_long): add {max_model_len} to "
+            f"context_buckets in --additional-config '{{\"moe_graphs\": {{\"context_buckets\": "
+            f"[..., {max_model_len}]}}}}' to graph them")
+
+
 def context_bucket(buckets: Sequence[int], max_seq_len: int) -> int:
     """The bucket a step's longest context is planned at: the smallest holding it, the last one
     when none does."""

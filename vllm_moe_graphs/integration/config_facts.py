@@ -74,6 +74,90 @@ def _has_mla(hf: Mapping[str, Any]) -> bool:
     return bool(hf.get("kv_lora_rank")) or bool(hf.get("use_mla"))
 
 
+def _name(value: Any) -> str:
+    return str(getattr(value, "name", value))
+
+
+def user_compilation(level: Any, mode: Any, cudagraph_mode: Any) -> str:
+    """The compilation settings a user chose that the plugin's take-over would override, as
+    `vllm serve` spells them ("" when none): an optimization level other than vLLM's default
+    (-O0, -O1, -O3), a compilation `mode` or `cudagraph_mode` other than NONE. `mode` and
+    `cudagraph_mode` are None where the user left them to vLLM (before `VllmConfig.__post_init__`
+    derives them from the level). NONE for both is the plugin's own explicit route."""
+    from vllm.config.vllm import OptimizationLevel
+
+    chosen = []
+    if int(level) != OptimizationLevel.O2:
+        chosen.append(f"-O{int(level)}")
+    if mode is not None and _name(mode) != "NONE":
+        chosen.append(f"-cc.mode={_name(mode)}")
+    if cudagraph_mode is not None and _name(cudagraph_mode) != "NONE":
+        chosen.append(f"-cc.cudagraph_mode={_name(cudagraph_mode)}")
+    return " ".join(chosen)
+
+
+# `VllmConfig.__post_init__` fills the compilation mode and cudagraph_mode from the level, so
+# what the user chose is readable only before it runs (`hooks.before_engine_config`); it is kept
+# on the config object under this name (it travels with the pickled config to every process).
+USER_COMPILATION_ATTR = "_moe_graphs_user_compilation"
+
+
+def record_user_compilation(vllm_config: VllmConfig) -> str:
+    """Read the user's compilation choices from a config vLLM has not settled yet and keep them
+    on it (`USER_COMPILATION_ATTR`); return them."""
+    cc = vllm_config.compilation_config
+    chosen = user_compilation(vllm_config.optimization_level, cc.mode, cc.cudagraph_mode)
+    setattr(vllm_config, USER_COMPILATION_ATTR, chosen)
+    return chosen
+
+
+def _recorded_user_compilation(vllm_config: VllmConfig) -> str:
+    """What `record_user_compilation` kept; for a config it never saw, its settled values read as
+    the user's (deny when unknown)."""
+    chosen = getattr(vllm_config, USER_COMPILATION_ATTR, None)
+    if chosen is not None:
+        return chosen
+    cc = vllm_config.compilation_config
+    return user_compilation(vllm_config.optimization_level, cc.mode, cc.cudagraph_mode)
+
+
+def _num_experts(hf: Mapping[str, Any]) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            return int(hf[key])
+    return 0
+
+
+def _sliding_window(hf: Mapping[str, Any]) -> int | None:
+    """The attention window a Qwen3 config.json asks for: transformers keeps `sliding_window`
+    only with `use_sliding_window` (off by default); 0 means none, as in vLLM."""
+    if not hf.get("use_sliding_window", False):
+        return None
+    return int(hf.get("sliding_window") or 0) or None
+
+
+def _quantization(hf: Mapping[str, Any]) -> str | None:
+    """The checkpoint's quantization method (`quantization_config.quant_method`), as vLLM reads
+    it when no --quantization is given."""
+    qc = hf.get("quantization_config") or hf.get("compression_config")
+    if not qc:
+        return None
+    return str(qc.get("quant_method") or qc.get("format") or "unknown")
+
+
+def _runner_type(args: EngineArgs, model: str) -> str:
+    """vLLM's runner for `args` (`ModelConfig._get_runner_type` for a Qwen3 generation
+    architecture): as given, pooling under a --convert, or pooling for a sentence-transformers
+    checkpoint (its modules.json)."""
+    if args.runner != "auto":
+        return str(args.runner)
+    if args.convert not in ("auto", "none"):
+        return "pooling"
+    from vllm.transformers_utils.config import get_pooling_config
+
+    return "pooling" if get_pooling_config(model, args.revision) else "generate"
+
+
 def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> ConfigFacts:
     mc = vllm_config.model_config
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else dict(vars(mc.hf_config))
@@ -95,6 +179,12 @@ def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> Con
         plugin_enabled=plugin.enabled,
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         head_size=_head_size(hf),
+        quantization=mc.quantization,
+        sliding_window=mc.get_sliding_window(),
+        runner_type=str(mc.runner_type),
+        data_parallel_size=vllm_config.parallel_config.data_parallel_size,
+        is_moe=bool(mc.is_moe),
+        user_compilation=_recorded_user_compilation(vllm_config),
     )
 
 
@@ -122,4 +212,11 @@ def facts_from_engine_args(args: EngineArgs, hf: Mapping[str, Any]) -> ConfigFac
         plugin_enabled=plugin.enabled,
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         head_size=_head_size(hf),
+        quantization=args.quantization or _quantization(hf),
+        sliding_window=None if args.disable_sliding_window else _sliding_window(hf),
+        runner_type=_runner_type(args, args.model),
+        data_parallel_size=int(args.data_parallel_size),
+        is_moe=_num_experts(hf) > 0,
+        user_compilation=user_compilation(args.optimization_level, args.compilation_config.mode,
+                                          args.compilation_config.cudagraph_mode),
     )

@@ -16,7 +16,10 @@ from vllm_moe_graphs.capability import (
     runtime_capability,
 )
 from vllm_moe_graphs.config import PluginConfig, plugin_config
-from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
+from vllm_moe_graphs.integration.config_facts import (
+    facts_from_vllm_config,
+    record_user_compilation,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,9 +48,9 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
     """Edit a not yet finalised `VllmConfig` so decode graphs are ours; return (edits, conflicts).
 
     Our worker (`--worker-cls`), our attention backend (`--attention-backend CUSTOM`), vLLM's own
-    capture off (`-cc.cudagraph_mode=NONE`), no torch.compile unless the user chose a compilation
-    mode (`-cc.mode=NONE`; a decode step replays one graph, so compile buys decode nothing and
-    costs start-up), and the V1 model runner for dense Qwen3 too (`VLLM_USE_V2_MODEL_RUNNER=0`,
+    capture off (`-cc.cudagraph_mode=NONE`), no torch.compile (`-cc.mode=NONE`; a decode step
+    replays one graph, so compile buys decode nothing and costs start-up; a user's choice of
+    either, or of an optimization level, denies the take-over: `user_compilation`), and the V1 model runner for dense Qwen3 too (`VLLM_USE_V2_MODEL_RUNNER=0`,
     exported before any engine process starts, so every process agrees). A user choice that
     contradicts one of these is a conflict: nothing is edited and stock vLLM runs.
     """
@@ -74,10 +77,7 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
     if ac.backend is None:
         ac.backend = AttentionBackendEnum.CUSTOM
         edits.append("attention backend CUSTOM")
-    if cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE":
-        logger.info("moe_graphs: switching vLLM's own CUDA graphs off (cudagraph_mode was %s): "
-                    "the plugin captures its own", cc.cudagraph_mode.name)
-    if cc.cudagraph_mode is None or cc.cudagraph_mode.name != "NONE":
+    if cc.cudagraph_mode is None:
         from vllm.config.compilation import CUDAGraphMode
 
         cc.cudagraph_mode = CUDAGraphMode.NONE
@@ -95,7 +95,9 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
 
 def before_engine_config(vllm_config: VllmConfig) -> None:
     """Called at the start of `VllmConfig.__post_init__` (process 0, before engines start): an
-    eligible setup is taken over (`take_over_decode_graphs`); anything else is left untouched."""
+    eligible setup is taken over (`take_over_decode_graphs`); anything else is left untouched.
+    The user's compilation choices are recorded first, while they are still readable."""
+    record_user_compilation(vllm_config)
     if vllm_config.model_config is None:
         return
     _, report = engine_capability(vllm_config)

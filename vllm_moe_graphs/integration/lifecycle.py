@@ -32,7 +32,7 @@ import torch
 
 from vllm_moe_graphs import metrics
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.graphs.buckets import graph_config
+from vllm_moe_graphs.graphs.buckets import context_coverage, graph_config
 from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
 from vllm_moe_graphs.graphs.plan import StepPlan, StepScope, key_padding
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
@@ -210,6 +210,8 @@ class GraphLifecycle:
                 t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
             for line in self.graphs.describe():
                 logger.info("moe_graphs: %s", line)
+            if (uncovered := context_coverage(c.context_buckets, r.max_model_len)) is not None:
+                logger.warning("moe_graphs: %s", uncovered)
         if c.fast_decode_inputs and self.graphs is not None and self.inputs is None:
             why = unsupported(r)
             self.inputs = DecodeInputs(r) if why is None else None
