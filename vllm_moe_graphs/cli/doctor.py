@@ -215,13 +215,9 @@ def _max_model_len(given: str | None, hf: dict, sliding_window_off: bool) -> int
     """--max-model-len as vLLM reads it, else the checkpoint's (max_position_embeddings; the
     window when --disable-sliding-window caps it)."""
     if given not in (None, "auto", "-1"):
-        from vllm.utils.argparse_utils import human_readable_int
+        from vllm_moe_graphs.integration.config_facts import parse_max_model_len
 
-        try:
-            return int(human_readable_int(given))
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            raise ValueError(f"--max-model-len {given!r}: expected a number of tokens such as "
-                             f"32768 or 32k ({exc})") from exc
+        return parse_max_model_len(given)
     derived = int(hf.get("max_position_embeddings") or 0)
     window = int(hf.get("sliding_window") or 0)
     if sliding_window_off and 0 < window < derived:

@@ -97,28 +97,35 @@ def user_compilation(level: Any, mode: Any, cudagraph_mode: Any) -> str:
 
 
 # `VllmConfig.__post_init__` fills the compilation mode and cudagraph_mode from the level, so
-# what the user chose is readable only before it runs (`hooks.before_engine_config`); it is kept
-# on the config object under this name (it travels with the pickled config to every process).
+# what the user chose is readable only before it runs: the patch of `__post_init__`
+# (integration/patch/vllm_config_post_init.py) keeps it on the config object under this name,
+# and it travels with the pickled config to every engine process.
 USER_COMPILATION_ATTR = "_moe_graphs_user_compilation"
 
 
-def record_user_compilation(vllm_config: VllmConfig) -> str:
-    """Read the user's compilation choices from a config vLLM has not settled yet and keep them
-    on it (`USER_COMPILATION_ATTR`); return them."""
+def read_user_compilation(vllm_config: VllmConfig) -> str:
+    """`user_compilation` of a config's current settings: the user's choices while vLLM has not
+    settled the config yet; on a settled one, vLLM's derived values read as the user's."""
     cc = vllm_config.compilation_config
-    chosen = user_compilation(vllm_config.optimization_level, cc.mode, cc.cudagraph_mode)
-    setattr(vllm_config, USER_COMPILATION_ATTR, chosen)
-    return chosen
+    return user_compilation(vllm_config.optimization_level, cc.mode, cc.cudagraph_mode)
 
 
 def _recorded_user_compilation(vllm_config: VllmConfig) -> str:
-    """What `record_user_compilation` kept; for a config it never saw, its settled values read as
-    the user's (deny when unknown)."""
+    """What the `__post_init__` patch kept; for a config it never saw, the settled values read
+    as the user's (a deny where they differ from the plugin's)."""
     chosen = getattr(vllm_config, USER_COMPILATION_ATTR, None)
-    if chosen is not None:
-        return chosen
-    cc = vllm_config.compilation_config
-    return user_compilation(vllm_config.optimization_level, cc.mode, cc.cudagraph_mode)
+    return read_user_compilation(vllm_config) if chosen is None else chosen
+
+
+def parse_max_model_len(text: str) -> int:
+    """`--max-model-len` as vLLM reads a number of tokens (32768, 32k, 1m)."""
+    from vllm.utils.argparse_utils import human_readable_int
+
+    try:
+        return int(human_readable_int(text))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--max-model-len {text!r}: expected a number of tokens such as "
+                         f"32768 or 32k ({exc})") from exc
 
 
 def _num_experts(hf: Mapping[str, Any]) -> int:

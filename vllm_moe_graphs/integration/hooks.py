@@ -16,10 +16,7 @@ from vllm_moe_graphs.capability import (
     runtime_capability,
 )
 from vllm_moe_graphs.config import PluginConfig, plugin_config
-from vllm_moe_graphs.integration.config_facts import (
-    facts_from_vllm_config,
-    record_user_compilation,
-)
+from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,9 +92,7 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
 
 def before_engine_config(vllm_config: VllmConfig) -> None:
     """Called at the start of `VllmConfig.__post_init__` (process 0, before engines start): an
-    eligible setup is taken over (`take_over_decode_graphs`); anything else is left untouched.
-    The user's compilation choices are recorded first, while they are still readable."""
-    record_user_compilation(vllm_config)
+    eligible setup is taken over (`take_over_decode_graphs`); anything else is left untouched."""
     if vllm_config.model_config is None:
         return
     _, report = engine_capability(vllm_config)

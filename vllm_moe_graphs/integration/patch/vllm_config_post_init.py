@@ -6,8 +6,11 @@ no torch.compile. Those choices must be made *before* vLLM settles the config (c
 priorities and capture sizes are derived from the compilation mode inside `__post_init__`), so
 the edit runs first and vLLM derives everything else from it, exactly as if the user had passed
 the flags of the explicit route (docs/serving.md).
-How: the method is wrapped; `hooks.before_engine_config` edits the still-unsettled config, then
-the original runs unchanged.
+The user's compilation choices (`-O<n>`, `-cc.mode`, `-cc.cudagraph_mode`) are readable only
+here, before vLLM derives them from the level: they are kept on the config object
+(`config_facts.USER_COMPILATION_ATTR`) for every later capability check, in every process.
+How: the method is wrapped; the user's compilation choices are recorded and
+`hooks.before_engine_config` edits the still-unsettled config, then the original runs unchanged.
 Removal: when vLLM offers a pre-finalisation config hook for general plugins.
 """
 
@@ -28,8 +31,10 @@ def apply() -> str | None:
     check_parameters(QUALNAME, original, ("self",))
 
     def __post_init__(self):  # noqa: N807
-        from vllm_moe_graphs.integration import hooks
+        from vllm_moe_graphs.integration import config_facts, hooks
 
+        setattr(self, config_facts.USER_COMPILATION_ATTR,
+                config_facts.read_user_compilation(self))
         hooks.before_engine_config(self)
         original(self)
 

@@ -1,0 +1,110 @@
+"""The plugin's numerics against stock vLLM's, by teacher forcing (the GPU test:
+tests/graphs/test_gpu_numerics.py; the comparison is checked on the CPU too).
+
+Both engines load the same re-drawn weights (`tests.gpu_util.redraw_weights`, seeded per
+parameter name). The plugin generates greedy tokens with their logprobs; stock vLLM (the plugin
+rolled back with MOE_GRAPHS_DISABLE=1) then scores the plugin's sequences as prompts
+(`prompt_logprobs`): the logprob stock assigns to each token the plugin chose, beside the one
+the plugin reported. Stock's own noise floor is the same comparison on stock's greedy tokens:
+what stock reported while generating (its decode path) against what its scoring pass assigns
+(its prefill path). `compare` turns the four runs into the numbers the test bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Bounds against stock's own floor (the plugin's |difference| mean and max over stock's), and
+# the largest logprob gap of a token the plugin chose that stock does not rank first.
+MEAN_FACTOR, MAX_FACTOR, TOP1_GAP_NATS = 1.5, 2.0, 0.1
+INFORMATIVE_TOP1_LOGPROB = -10.5  # flat logits (vLLM's raw dummy weights) sit at -ln V
+
+
+def prompts(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of 16-250 random token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(16 + (i * 37) % 235)]
+            for i in range(n)]
+
+
+def run(tmp_path, name: str, spec: dict, *, plugin: bool, timeout_s: float) -> dict:
+    """One engine (`tests.graphs.numerics_engine`) in its own interpreter on `spec`; with
+    `plugin` False the plugin is rolled back (MOE_GRAPHS_DISABLE=1): stock vLLM."""
+    out = tmp_path / f"{name}.json"
+    spec_file = tmp_path / f"{name}.spec.json"
+    spec_file.write_text(json.dumps({**spec, "out": str(out)}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if not plugin:
+        env["MOE_GRAPHS_DISABLE"] = "1"
+    log = tmp_path / f"{name}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "tests.graphs.numerics_engine",
+                               str(spec_file)], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout_s)
+    text = log.read_text()
+    assert proc.returncode == 0 and out.exists(), (
+        f"{name} engine failed (exit {proc.returncode}):\n{text[-8000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["log_lines"] = [ln for ln in text.splitlines() if "moe_graphs" in ln][:40]
+    return result
+
+
+def _diffs(reported: list[list[float]], scored: list[list[list]]) -> list[float]:
+    """|reported - scored| per generated token, over every sequence."""
+    return [abs(lp - row[0]) for seq_lp, seq_rows in zip(reported, scored, strict=True)
+            for lp, row in zip(seq_lp, seq_rows, strict=True)]
+
+
+def compare(plugin: dict, stock: dict) -> dict:
+    """The numbers of one shape. `plugin` and `stock` are the engines' results: `tokens` and
+    `logprobs` (each generated sequence, the logprob each engine reported for its own token),
+    and stock's `scores` of `plugin_tokens` and `stock_tokens` ([logprob of the token, logprob
+    of stock's top-1, stock's top-1 token] per generated position)."""
+    ours = _diffs(plugin["logprobs"], stock["scores"]["plugin_tokens"])
+    floor = _diffs(stock["logprobs"], stock["scores"]["stock_tokens"])
+    not_top1 = [(row[1] - row[0]) for seq, rows in zip(plugin["tokens"],
+                                                      stock["scores"]["plugin_tokens"],
+                                                      strict=True)
+                for tok, row in zip(seq, rows, strict=True) if row[2] != tok]
+    same = sum(a == b for a, b in zip(plugin["tokens"], stock["tokens"], strict=True))
+    return {
+        "tokens": len(ours),
+        "plugin_mean": statistics.fmean(ours), "plugin_max": max(ours),
+        "floor_mean": statistics.fmean(floor), "floor_max": max(floor),
+        "not_top1": len(not_top1), "worst_top1_gap": max(not_top1, default=0.0),
+        "identical_sequences": same, "sequences": len(plugin["tokens"]),
+        "mean_top1_logprob": statistics.fmean(
+            row[1] for rows in stock["scores"]["stock_tokens"] for row in rows),
+    }
+
+
+def check(summary: dict) -> list[str]:
+    """What breaks the bounds (empty: within them)."""
+    s, bad = summary, []
+    if s["plugin_mean"] > MEAN_FACTOR * s["floor_mean"]:
+        bad.append(f"mean |difference| {s['plugin_mean']:.4f} nats > {MEAN_FACTOR}x stock's "
+                   f"floor {s['floor_mean']:.4f}")
+    if s["plugin_max"] > MAX_FACTOR * s["floor_max"]:
+        bad.append(f"largest |difference| {s['plugin_max']:.4f} nats > {MAX_FACTOR}x stock's "
+                   f"floor {s['floor_max']:.4f}")
+    if s["worst_top1_gap"] > TOP1_GAP_NATS:
+        bad.append(f"a token the plugin chose is {s['worst_top1_gap']:.4f} nats below stock's "
+                   f"top-1 (bound {TOP1_GAP_NATS}; {s['not_top1']} of {s['tokens']} tokens "
+                   "not stock's top-1)")
+    if s["mean_top1_logprob"] < INFORMATIVE_TOP1_LOGPROB:
+        bad.append(f"flat logits (mean top-1 logprob {s['mean_top1_logprob']:.2f}): the "
+                   "comparison would prove nothing")
+    return bad

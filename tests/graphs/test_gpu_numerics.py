@@ -1,0 +1,63 @@
+"""GPU tier: the plugin's numerics against stock vLLM's, on the shapes it serves.
+
+Teacher forcing (tests/graphs/numerics.py): the plugin (defaults: every step from its graphs)
+generates 16 greedy sequences of 64 tokens on re-drawn weights; stock vLLM (the plugin rolled
+back, its FlashAttention 3 and its own graphs) generates the same prompts and then scores both
+its own and the plugin's sequences. The plugin's |logprob difference| to stock's scoring must
+stay within 1.5x (mean) and 2x (largest) of stock's own floor, and every token the plugin chose
+that stock does not rank first within 0.1 nats of stock's top-1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, require_cuda_and_vllm, shape_dir
+from tests.graphs import numerics
+from tests.graphs.engine_harness import metric, report
+
+pytestmark = pytest.mark.gpu
+
+# Real per-layer shapes, every layer (Qwen3-30B-A3B's 48: ~61 GB of bf16 weights).
+SHAPES = {"qwen3-0.6b": 28, "qwen3-30b-a3b": 48}
+MAX_TOKENS = 64
+TIMEOUT_S = engine_timeout_s(420)
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_and_vllm():
+    require_cuda_and_vllm()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_numerics_match_stock_vllm(shape, tmp_path):
+    model, vocab = shape_dir(tmp_path, shape, SHAPES[shape])
+    llm_kwargs = {"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
+                  "dtype": "bfloat16", "seed": 0, "max_model_len": 512, "max_num_seqs": 64,
+                  "enable_prefix_caching": False, **engine_memory_kwargs(0.85)}
+    spec = {"llm_kwargs": llm_kwargs, "prompts": numerics.prompts(vocab),
+            "max_tokens": MAX_TOKENS, "seed": 0}
+    plugin = numerics.run(tmp_path, f"{shape}-plugin", spec, plugin=True, timeout_s=TIMEOUT_S)
+    scored = [{"ids": p + t, "generated": len(t)}
+              for p, t in zip(spec["prompts"], plugin["tokens"], strict=True)]
+    stock = numerics.run(tmp_path, f"{shape}-stock",
+                         {**spec, "score": {"plugin_tokens": scored},
+                          "score_own": "stock_tokens"}, plugin=False, timeout_s=TIMEOUT_S)
+    summary = numerics.compare(plugin, stock)
+    summary.update(
+        shape=shape, layers=SHAPES[shape],
+        plugin_config=plugin["config"], stock_config=stock["config"],
+        redrawn=[plugin["redrawn_parameters"], stock["redrawn_parameters"]],
+        replays={k: metric(plugin["metrics"], "moe_graphs_replays_total", kind=k)
+                 for k in ("decode", "mixed", "prefill")},
+        eager_fallbacks=metric(plugin["metrics"], "moe_graphs_eager_fallbacks_total"),
+        startup_s=[plugin["startup_s"], stock["startup_s"]],
+        plugin_log=plugin["log_lines"])
+    report(f"numerics-{shape}", summary)
+    # the plugin ran its graphs, stock ran without the plugin, on the same weights
+    assert metric(plugin["metrics"], "moe_graphs_info", mode="graphs") == 1, summary
+    assert summary["replays"]["decode"] > 0, summary
+    assert "moe_graphs" not in stock["metrics"], "stock must run without the plugin"
+    assert "MoeGraphsWorker" not in stock["config"]["worker_cls"], stock["config"]
+    assert plugin["redrawn_parameters"] == stock["redrawn_parameters"] > 0, summary
+    assert not numerics.check(summary), (numerics.check(summary), summary)
