@@ -1,7 +1,7 @@
 """Patch: `vllm.config.VllmConfig.__post_init__`.
 
 Why: for an eligible Qwen3 / Qwen3-MoE setup the plugin takes decode graphs over: our worker and
-V1 model runner, our attention backend, vLLM's own capture off and, unless the user chose one,
+V1 model runner, our attention backend, vLLM's own capture off and
 no torch.compile. Those choices must be made *before* vLLM settles the config (custom ops, IR op
 priorities and capture sizes are derived from the compilation mode inside `__post_init__`), so
 the edit runs first and vLLM derives everything else from it, exactly as if the user had passed
