@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
-#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in six lanes: ~7.5
+#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in seven lanes: ~7.5
 #                                                          minutes on the H200, RUN_GUARD_S=540)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu",
@@ -40,8 +40,12 @@ if [ "${1:-}" = tier ]; then
   # the whole tier, balanced by the tests' durations on the H200 (the engine parity tests of
   # the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU)
   T=tests/graphs/test_gpu_integration.py
+  # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (every
+  # layers together are ~61 GB of weights, more than an H100 holds beside the other lanes)
+  export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
+    tests/graphs/test_gpu_refusals.py + -m gpu tests/graphs/test_gpu_numerics.py \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
     "$T::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \

@@ -9,6 +9,7 @@ from vllm_moe_graphs.config import MIXED_REQUESTS, PluginConfig
 from vllm_moe_graphs.graphs.buckets import (
     GraphKey,
     all_keys,
+    context_coverage,
     graph_config,
     pick_bucket,
     pick_key,
@@ -193,3 +194,15 @@ def test_graph_config_fits_token_buckets_to_the_token_budget():
     assert graph_config(cfg, 64, 4096, 2048).token_buckets == (16, 256, 2048)
     assert graph_config(cfg, 64, 4096, 8192).token_buckets == (16, 256, 4096, 8192)
     assert graph_config(cfg, 64, 4096).token_buckets == cfg.token_buckets
+
+
+def test_context_coverage_names_the_uncovered_contexts_and_the_setting():
+    buckets = PluginConfig().context_buckets
+    assert context_coverage(buckets, 40960) is None  # Qwen3's 40960 positions: covered
+    assert context_coverage(buckets, buckets[-1]) is None
+    line = context_coverage(buckets, 262144)  # the 256k models
+    assert line.startswith("decode steps whose context is past 131072 tokens (up to "
+                           "max_model_len 262144) run eager (context_too_long)")
+    assert '"context_buckets": [..., 262144]' in line
+    # every such step would pick no key: the line says what pick_key does
+    assert pick_key(1, 131073, (1,), buckets) is Reason.CONTEXT_TOO_LONG
