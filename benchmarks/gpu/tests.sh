@@ -40,8 +40,8 @@ if [ "${1:-}" = tier ]; then
   # the whole tier, balanced by the tests' durations on the H200 (the engine parity tests of
   # the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU)
   T=tests/graphs/test_gpu_integration.py
-  # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (every
-  # layers together are ~61 GB of weights, more than an H100 holds beside the other lanes)
+  # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (all 48
+  # are ~61 GB of weights, more than an H100 holds beside the other lanes)
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
