@@ -35,13 +35,13 @@ def register() -> None:
     from vllm_moe_graphs.integration.patch import apply_all
 
     wired = apply_all()
-    from vllm_moe_graphs.integration.attention_registry import register_attention_backend
+    from vllm_moe_graphs.integration.attention.registry import register_attention_backend
 
     try:
         wired.append(f"attention backend CUSTOM -> {register_attention_backend()}")
     except RuntimeError as exc:  # another plugin owns CUSTOM: serve on, without our backend
         logger.warning("moe_graphs: %s", exc)
-    from vllm_moe_graphs.integration.model_info_seed import seed_model_info_cache
+    from vllm_moe_graphs.integration.startup.model_info_seed import seed_model_info_cache
 
     if seeded := seed_model_info_cache():
         wired.append(f"vLLM's model-info cache seeded for {', '.join(seeded)}")

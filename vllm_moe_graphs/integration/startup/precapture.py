@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_moe_graphs.integration.moe_warm_up import (
+from vllm_moe_graphs.integration.startup.moe_warm_up import (
     compile_in_parallel,
     counting_triton_builds,
     deferring_fused_moe_compiles,
@@ -38,9 +38,9 @@ from vllm_moe_graphs.integration.patch.model_layer_range import first_moe_layer_
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
-    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
-    from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
-    from vllm_moe_graphs.integration.moe_padding import MoePadding
+    from vllm_moe_graphs.integration.runner.lifecycle import GraphLifecycle
+    from vllm_moe_graphs.integration.runner.model_runner import MoeGraphsModelRunner
+    from vllm_moe_graphs.integration.model.moe_padding import MoePadding
 
 logger = logging.getLogger("vllm.moe_graphs")
 
