@@ -32,9 +32,8 @@ def register() -> None:
         return
 
     from vllm_moe_graphs import metrics_transport
-    from vllm_moe_graphs.integration.patch import apply_all
 
-    wired = apply_all()
+    wired = apply_patches()
     from vllm_moe_graphs.integration.attention.registry import register_attention_backend
 
     try:
@@ -50,3 +49,21 @@ def register() -> None:
         wired.append("metrics collector on /metrics")
     logger.info("moe_graphs %s: registered in process %s (pid %d): %s", __version__, role, pid,
                 ", ".join(wired) or "already patched")
+
+
+def apply_patches() -> list[str]:
+    """Apply the process-wide patches of vLLM (`integration/patch/`, its first table); return the
+    names of what was patched now."""
+    from vllm_moe_graphs.integration.patch import (
+        engine_core_idle,
+        platform_config,
+        vllm_config_post_init,
+        worker_base_init,
+    )
+
+    applied = []
+    for module in (vllm_config_post_init, platform_config, worker_base_init, engine_core_idle):
+        name = module.apply()
+        if name:
+            applied.append(name)
+    return applied

@@ -7,8 +7,9 @@
 | worker_base_init.py | `vllm.v1.worker.worker_base.WorkerBase.__init__` | record capability and info metrics in every worker process (also where the plugin does not take over, e.g. CPU), with the rank; runs after plugins load in that process | vLLM offers a per-worker plugin hook |
 | engine_core_idle.py | `vllm.v1.engine.core.EngineCoreProc._notify_idle_state_callbacks` (in the engine core process only) | with `idle_capture`, capture the keys traffic has not reached each time the engine core is about to wait for requests (a cached config check otherwise) | vLLM offers an idle hook to plugins |
 
-Each patch is idempotent (a patched function carries `__moe_graphs_patched__`), checks the
-signature of what it wraps first, and calls the original unchanged.
+`plugin.register()` applies these four in every process. Each patch is idempotent (a patched
+function carries `__moe_graphs_patched__`), checks the signature of what it wraps first, and
+calls the original unchanged.
 
 The features below patch one object, or one attribute for the length of a `with` block, when
 they are switched on; their files here say why, how and when each goes:
@@ -31,20 +32,3 @@ they are switched on; their files here say why, how and when each goes:
 from __future__ import annotations
 
 PATCHED_ATTR = "__moe_graphs_patched__"
-
-
-def apply_all() -> list[str]:
-    """Apply every patch; return the names of what was patched now."""
-    from vllm_moe_graphs.integration.patch import (
-        engine_core_idle,
-        platform_config,
-        vllm_config_post_init,
-        worker_base_init,
-    )
-
-    applied = []
-    for module in (vllm_config_post_init, platform_config, worker_base_init, engine_core_idle):
-        name = module.apply()
-        if name:
-            applied.append(name)
-    return applied
