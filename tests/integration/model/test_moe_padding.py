@@ -18,7 +18,13 @@ import torch
 from tests.gpu_util import require_cuda_and_vllm
 from tests.serve_util import run_on_tiny_qwen3_moe
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.integration.model.moe_padding import MoePadding, padded_scope, sentinel
+from vllm_moe_graphs.graphs.buckets import GraphKey
+from vllm_moe_graphs.integration.model.moe_padding import (
+    MoePadding,
+    key_scope,
+    padded_scope,
+    sentinel,
+)
 
 E, K = 128, 8  # Qwen3-30B-A3B: 128 experts, top-8
 
@@ -71,6 +77,12 @@ def test_only_padding_rows_are_rewritten_and_only_while_padded() -> None:
             pass
     with padded_scope(None, 3), padded_scope(padding, None):
         assert not padding.active  # no rewrite installed, or vLLM's own unpadded step
+    with key_scope(padding, None, 3), key_scope(padding, GraphKey(1, 64), 1):
+        assert not padding.active  # vLLM's own step, a key that cannot pad
+    with key_scope(padding, GraphKey(8, 64), 3):
+        assert padding.active  # a key that pads: its real rows
+    with key_scope(None, GraphKey(8, 64), 3):
+        assert not padding.active  # no rewrite installed
 
 
 def test_skip_moe_padding_is_on_by_default_and_parsed() -> None:

@@ -471,6 +471,18 @@ class _PlanRecorder:
         self.planned.append((context_bucket, max_query_len))
 
 
+def test_plan_builders_hands_every_builder_its_keys_launch():
+    """A decode key plans its context bucket, a key with prefill tokens its token bucket (the
+    varlen kernel's tile), no key the step's own; every builder alike."""
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+
+    builders = [_PlanRecorder(), _PlanRecorder()]
+    buffers.plan_builders(builders, GraphKey(4, 256))
+    buffers.plan_builders(builders, GraphKey(16, 0, 8))
+    buffers.plan_builders(builders, None)
+    assert [b.planned for b in builders] == [[(256, None), (None, 16), (None, None)]] * 2
+
+
 def test_graph_steps_plan_attention_for_their_keys_context_bucket():
     """The step plan hands its graph key's context bucket to our metadata builders (the split
     count a key's graph is captured with), none to an eager step, and clears it after the step."""

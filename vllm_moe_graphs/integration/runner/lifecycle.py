@@ -42,8 +42,7 @@ from vllm_moe_graphs.integration.model.graph_logits import install_graph_logits
 from vllm_moe_graphs.integration.model.moe_padding import (
     MoePadding,
     install_moe_padding,
-    key_pads,
-    padded_scope,
+    key_scope,
 )
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
@@ -242,7 +241,7 @@ class GraphLifecycle:
 
     def end_step(self) -> None:
         self._step = None
-        self._plan_key(None)
+        buffers.plan_builders(self.metadata_builders, None)
         if self.logits is not None:
             self.logits.clear()
         self.publish()  # after the step: never inside a captured region
@@ -272,7 +271,7 @@ class GraphLifecycle:
         if self.graphs is None:
             return None
         if self._capturing is not None:  # precapture's dummy batch, as a real step of the key
-            self._plan_key(self._capturing)
+            buffers.plan_builders(self.metadata_builders, self._capturing)
             return key_padding(self._capturing)
         step = self._step
         if step is None:
@@ -296,7 +295,7 @@ class GraphLifecycle:
             kind, d, max_context, fast_inputs=step.fast_inputs,
             with_logits=d.padded and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
-        self._plan_key(d.key if d.padded else None)
+        buffers.plan_builders(self.metadata_builders, d.key if d.padded else None)
         return step.plan.padding
 
     def builds_metadata(self) -> bool:
@@ -315,7 +314,7 @@ class GraphLifecycle:
             return None
         step.plan = None
         d = plan.decision
-        with self._moe_padded(d.key if d.padded else None, d.num_reqs):
+        with key_scope(self.moe_padding, d.key if d.padded else None, d.num_reqs):
             out, _ = self.graphs.run(d, self._forward_fn(args, plan.with_logits), plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
@@ -354,36 +353,18 @@ class GraphLifecycle:
                 yield
         finally:
             self._real_model, self._capturing = None, None
-            self._plan_key(None)
+            buffers.plan_builders(self.metadata_builders, None)
 
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
         returns its output, or the eager forward's when the capture was denied or failed."""
-        with self._moe_padded(key, key.batch_bucket):
+        with key_scope(self.moe_padding, key, key.batch_bucket):
             result = self.graphs.precapture([key], forward=self._forward_fn(
                 args, self._logits_for(key)))[key]
         out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
-    def _moe_padded(self, key: GraphKey | None,
-                    real_rows: int) -> contextlib.AbstractContextManager[None]:
-        """The MoE padding scope of a forward at `key`'s padded size with `real_rows` real rows
-        (none for vLLM's own unpadded step, `key` None, or a key that cannot pad)."""
-        pads = key is not None and key_pads(key.batch_bucket)
-        return padded_scope(self.moe_padding, real_rows if pads else None)
-
-    def _plan_key(self, key: GraphKey | None) -> None:
-        """Our metadata builders plan the next build for `key` (`plan_for`): a decode key's
-        context bucket (the decode kernel's split count), a key with prefill tokens' token
-        bucket (the varlen kernel's tile: one launch shape per graph); None: the step's own."""
-        if key is None:
-            planned = (None, None)
-        else:
-            planned = (key.context_bucket, None) if key.decode else (None, key.batch_bucket)
-        for builder in self.metadata_builders:
-            builder.plan_for(*planned)
-
     def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
         """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
         ids = args.get("input_ids")
