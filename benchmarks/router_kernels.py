@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
 
     from benchmarks.attn_kernels import _time_graph
-    from vllm_moe_graphs.integration.moe_padding import MoePadding, sentinel
+    from vllm_moe_graphs.integration.model.moe_padding import MoePadding, sentinel
 
     rows_out, ratios, mismatches = [], {}, []
     print(f"# {torch.cuda.get_device_name(0)}: routing of {EXPERTS} experts, top-{TOP_K}, "

@@ -251,8 +251,9 @@ def test_wait_for_log_sees_the_settled_line_times_out_and_notices_an_exit(tmp_pa
     returns once the line is in the log, None when it is not within the timeout, and raises
     when the server exits meanwhile."""
     line = IDLE_CAPTURE_DONE
-    # the plugin's own line (integration/precapture.py: idle_capture_one)
-    src = open(os.path.join(REPO, "vllm_moe_graphs", "integration", "precapture.py")).read()
+    # the plugin's own line (integration/startup/precapture.py: idle_capture_one)
+    src = open(os.path.join(REPO, "vllm_moe_graphs", "integration", "startup",
+                            "precapture.py")).read()
     assert '"moe_graphs: idle capture done: no key left' in src
     assert f'", {IDLE_CAPTURE_ON}"' in src  # the start-up line of a server that will settle
     log = tmp_path / "serve.log"

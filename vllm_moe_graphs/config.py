@@ -67,20 +67,20 @@ class PluginConfig:
     # Capture every bucket at start-up instead of lazily.
     precapture: bool = False
     # Linear layers with <= 16 input rows (decode) through the plugin's Triton GEMM
-    # (integration/linear.py) instead of cuBLAS: "auto" (the layers where it measured faster on
-    # the H200: more input than output features, >= 1024 outputs, i.e. o_proj and down_proj),
-    # true (every eligible linear layer), false (cuBLAS everywhere).
+    # (integration/model/small_m_linear.py) instead of cuBLAS: "auto" (the layers where it measured
+    # faster on the H200: more input than output features, >= 1024 outputs, i.e. o_proj and
+    # down_proj), true (every eligible linear layer), false (cuBLAS everywhere).
     small_m_gemm: bool | str = "auto"
     # Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
-    # (integration/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
+    # (integration/model/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
     fuse_qk_norm_rope: bool = True
     # Pure-decode steps prepare vLLM's input buffers on the host with a few copies
-    # (integration/decode_inputs.py) instead of vLLM's general path, and a replayed step builds
-    # no attention metadata (the graph reads the persistent buffers); false: vLLM's path.
+    # (integration/runner/decode_inputs.py) instead of vLLM's general path, and a replayed step
+    # builds no attention metadata (the graph reads the persistent buffers); false: vLLM's path.
     fast_decode_inputs: bool = True
-    # The LM head inside the decode forward, so inside the graph (integration/graph_logits.py),
-    # for pure-decode batch buckets up to 64 rows (needs fast_decode_inputs); false: vLLM
-    # computes the logits after the forward.
+    # The LM head inside the decode forward, so inside the graph
+    # (integration/model/graph_logits.py), for pure-decode batch buckets up to 64 rows (needs
+    # fast_decode_inputs); false: vLLM computes the logits after the forward.
     logits_in_graph: bool = True
     # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs
     # too, one per query-token bucket (requests padded to min(token bucket, 256); a step with
@@ -104,9 +104,10 @@ class PluginConfig:
     # warning) or "triton" (the plugin's varlen kernel). FA3 runs with its schedule planned
     # outside the graph (integration/attention/flash_attn.py).
     prefill_attention: str = "auto"
-    # The padding rows of a padded step skip the fused MoE's experts (integration/moe_padding.py:
-    # vLLM's Triton experts, more than 64 experts, no expert parallelism): no expert weights
-    # loaded and no expert GEMM rows for them; real rows are bit-identical either way.
+    # The padding rows of a padded step skip the fused MoE's experts
+    # (integration/model/moe_padding.py: vLLM's Triton experts, more than 64 experts, no expert
+    # parallelism): no expert weights loaded and no expert GEMM rows for them; real rows are
+    # bit-identical either way.
     skip_moe_padding: bool = True
     # With skip_moe_padding: the padding rows' expert ids written by the routing launch itself
     # (the plugin's Triton top-k softmax in place of vLLM's topk_softmax, ops/moe_router.py)
@@ -119,19 +120,19 @@ class PluginConfig:
     # captures move out of its first minutes of serving, start-up stays as fast.
     idle_capture: bool = True
     # Threads that compile the fused-MoE kernel's variants of the start-up warm-up in parallel
-    # (integration/moe_warm_up.py: recorded from forwards that skip those launches, then
+    # (integration/startup/moe_warm_up.py: recorded from forwards that skip those launches, then
     # compiled through Triton's asynchronous compile), at most the machine's CPU count; 0: one
     # after the other, inside the warm-up's forwards. On a fresh node those compiles are most
     # of the start-up of Qwen3-30B-A3B (25 s of 37 s on the H200, one after the other). Above
     # 0, vLLM's top-k/top-p sampling kernel also compiles on a thread of its own from the start
-    # of model loading to the end of the warm-up (integration/sampler_warm_up.py).
+    # of model loading to the end of the warm-up (integration/startup/sampler_warm_up.py).
     warm_up_compile_threads: int = 8
     # From the end of the start-up warm-up on, a niced subprocess without CUDA compiles into
     # Triton's cache the variants of vLLM's top-k/top-p sampling kernel that traffic can reach
-    # (top-k and/or top-p, row counts divisible by 16 and not; integration/sampling_variants.py):
-    # the first batch of 8+ requests sampling with top-k or top-p (Qwen3's generation config sets
-    # both) loads its variant instead of compiling it on the engine's thread (2.4-9.3 s on an
-    # H100 host, every request waiting).
+    # (top-k and/or top-p, row counts divisible by 16 and not;
+    # integration/startup/sampling_variants.py): the first batch of 8+ requests sampling with top-k
+    # or top-p (Qwen3's generation config sets both) loads its variant instead of compiling it on
+    # the engine's thread (2.4-9.3 s on an H100 host, every request waiting).
     compile_sampling_variants: bool = True
 
     @classmethod

@@ -32,16 +32,15 @@ def register() -> None:
         return
 
     from vllm_moe_graphs import metrics_transport
-    from vllm_moe_graphs.integration.patch import apply_all
 
-    wired = apply_all()
-    from vllm_moe_graphs.integration.attention_registry import register_attention_backend
+    wired = apply_patches()
+    from vllm_moe_graphs.integration.attention.registry import register_attention_backend
 
     try:
         wired.append(f"attention backend CUSTOM -> {register_attention_backend()}")
     except RuntimeError as exc:  # another plugin owns CUSTOM: serve on, without our backend
         logger.warning("moe_graphs: %s", exc)
-    from vllm_moe_graphs.integration.model_info_seed import seed_model_info_cache
+    from vllm_moe_graphs.integration.startup.model_info_seed import seed_model_info_cache
 
     if seeded := seed_model_info_cache():
         wired.append(f"vLLM's model-info cache seeded for {', '.join(seeded)}")
@@ -50,3 +49,21 @@ def register() -> None:
         wired.append("metrics collector on /metrics")
     logger.info("moe_graphs %s: registered in process %s (pid %d): %s", __version__, role, pid,
                 ", ".join(wired) or "already patched")
+
+
+def apply_patches() -> list[str]:
+    """Apply the process-wide patches of vLLM (`integration/patch/`, its first table); return the
+    names of what was patched now."""
+    from vllm_moe_graphs.integration.patch import (
+        engine_core_idle,
+        platform_config,
+        vllm_config_post_init,
+        worker_base_init,
+    )
+
+    applied = []
+    for module in (vllm_config_post_init, platform_config, worker_base_init, engine_core_idle):
+        name = module.apply()
+        if name:
+            applied.append(name)
+    return applied

@@ -63,7 +63,7 @@ from vllm_moe_graphs.integration.attention.metadata import (  # noqa: E402
     MoeGraphsAttentionMetadata,
     MoeGraphsMetadataBuilder,
 )
-from vllm_moe_graphs.integration.attention_registry import register_attention_backend  # noqa: E402
+from vllm_moe_graphs.integration.attention.registry import register_attention_backend  # noqa: E402
 from vllm_moe_graphs.model_configs import shape_dir  # noqa: E402
 from vllm_moe_graphs.ops import choose_num_splits, split_kv_cache  # noqa: E402
 from vllm_moe_graphs.ops.reference import (  # noqa: E402
@@ -424,7 +424,7 @@ def test_registration_is_light():
     """In a fresh process: neither the backend, the kernels nor CUDA are touched."""
     code = textwrap.dedent("""
         import sys
-        from vllm_moe_graphs.integration.attention_registry import register_attention_backend
+        from vllm_moe_graphs.integration.attention.registry import register_attention_backend
         path = register_attention_backend()
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
         assert AttentionBackendEnum.CUSTOM.get_path() == path
@@ -620,14 +620,14 @@ def test_workspace_covers_every_batch(env):
 
 
 def test_decode_keys_share_a_graph_where_the_builder_plans_one_launch(env):
-    """`runner_buffers.decode_split_plan` hands the graph runner our builder's split counts: a
+    """`runner/buffers.decode_split_plan` hands the graph runner our builder's split counts: a
     decode step picks the key of the smallest context bucket the builder plans the same split
     count for, and keys with different counts stay apart."""
     from types import SimpleNamespace
 
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs import DecodeGraphRunner
-    from vllm_moe_graphs.integration.runner_buffers import decode_split_plan
+    from vllm_moe_graphs.integration.runner.buffers import decode_split_plan
 
     builder = env.builder
     group = SimpleNamespace(get_metadata_builder=lambda: builder)

@@ -119,7 +119,7 @@ from vllm.inputs import TokensPrompt
 from tests.gpu_util import engine_starting, redraw_weights
 
 if spec["backend"] == "CUSTOM":
-    from vllm_moe_graphs.integration.attention_registry import register_attention_backend
+    from vllm_moe_graphs.integration.attention.registry import register_attention_backend
     register_attention_backend()
 
 

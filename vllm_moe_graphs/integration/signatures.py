@@ -37,8 +37,8 @@ def check_parameters(qualname: str, fn: Callable, expected: tuple[str, ...]) -> 
 
 
 # `GPUModelRunner` methods `MoeGraphsModelRunner` overrides (name -> parameters, as vLLM 0.26.0
-# declares them; keep in sync with the table in `integration/model_runner.py`'s docstring) and
-# those the plugin calls without overriding.
+# declares them; keep in sync with the table in `integration/runner/model_runner.py`'s docstring)
+# and those the plugin calls without overriding.
 RUNNER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "__init__": ("self", "vllm_config", "device"),
     "load_model": ("self", "load_dummy_weights"),

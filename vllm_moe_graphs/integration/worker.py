@@ -45,7 +45,7 @@ from vllm_moe_graphs.integration.config_facts import (
     graph_pool_source,
     vllm_sets_aside_graph_memory,
 )
-from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
+from vllm_moe_graphs.integration.runner.model_runner import MoeGraphsModelRunner
 from vllm_moe_graphs.integration.patch import runner_class
 from vllm_moe_graphs.integration.signatures import (
     IncompatibleVllmError,
@@ -161,7 +161,7 @@ class MoeGraphsWorker(Worker):
     def moe_graphs_idle_capture(self) -> bool:
         """One capture while the engine waits for requests (`idle_capture`; called through
         `collective_rpc` by `patch/engine_core_idle.py`); returns whether more remain."""
-        from vllm_moe_graphs.integration.precapture import idle_capture_one
+        from vllm_moe_graphs.integration.startup.precapture import idle_capture_one
 
         lifecycle = getattr(self.model_runner, "moe_graphs", None)
         return lifecycle is not None and idle_capture_one(self.model_runner, lifecycle)

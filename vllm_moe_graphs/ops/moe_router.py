@@ -8,8 +8,8 @@ ids [T, K] int32 or int64; real [1] int32 (device scalar: rows >= real[0] are pa
 Semantics are those of vLLM 0.26's `topk_softmax` (`fused_topk` with softmax scoring): softmax
 over the E logits in float32, the K largest probabilities in descending order (a tie goes to
 the lower expert id), divided by their sum when `renormalize`. Rows at or past `real[0]` get
-`sentinel` for every id (the id vLLM's Triton experts skip, `integration/moe_padding.py`); their
-weights are computed like any row's. With `real` None every row is real.
+`sentinel` for every id (the id vLLM's Triton experts skip, `integration/model/moe_padding.py`);
+their weights are computed like any row's. With `real` None every row is real.
 
 Design: one program per BLOCK_T rows, a whole row of E logits in registers; K rounds of
 (max, lowest index holding it, knock it out). BLOCK_T, the warp count and the reduction layout

@@ -80,7 +80,8 @@ def _find_sequence(
 
 
 # NOTE: num_seqs (the batch's sequence count) is a runtime int: not specialised (== 1, % 16), so
-# one compile covers every batch and the start-up warm-up (integration/precapture.py) covers it.
+# one compile covers every batch and the start-up warm-up (integration/startup/precapture.py)
+# covers it.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_prefill_kernel(
     out_ptr,  # [T, Hq, D]

@@ -1,7 +1,7 @@
 """Patch: `forward` of eligible Qwen3 / Qwen3-MoE attention modules (instance attributes).
 
 Why: with `fuse_qk_norm_rope` one fused kernel applies the q/k RMSNorm and RoPE
-(`integration/qk_norm_rope.py`), replacing the three launches of vLLM's
+(`integration/model/qk_norm_rope.py`), replacing the three launches of vLLM's
 `Qwen3Attention.forward` between the QKV projection and the attention; the model code offers no
 seam between those steps.
 How: `install` binds the fused forward to the module object (an instance attribute that

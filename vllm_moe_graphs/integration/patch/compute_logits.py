@@ -1,7 +1,7 @@
 """Patch: `compute_logits` of the one loaded model object (an instance attribute).
 
 Why: with `logits_in_graph` the decode graph computes the logits inside the forward
-(`integration/graph_logits.py`); vLLM's runner then calls `model.compute_logits(hidden)` after
+(`integration/model/graph_logits.py`); vLLM's runner then calls `model.compute_logits(hidden)` after
 the forward, and must receive those logits instead of computing them again.
 How: `install` sets an instance attribute that shadows the class method for this model object
 only (no class, no other model changes); the replacement returns the graph's logits for the

@@ -3,7 +3,7 @@
 deferred compiles.
 
 Why: with `warm_up_compile_threads`, the warm-up skips the launches of that kernel whose
-variant is not compiled yet (`integration/moe_warm_up.py: deferring_fused_moe_compiles`); a
+variant is not compiled yet (`integration/startup/moe_warm_up.py: deferring_fused_moe_compiles`); a
 skipped launch must leave its output zeroed, not whatever memory held, and Triton runs a JIT
 function's pre-run hooks before it decides whether to launch, whether or not it skips.
 How: `appended(kernel, hook)` appends `hook` to `kernel.pre_run_hooks` inside a `with` block

@@ -1,7 +1,7 @@
 """Patch: `quant_method` of eligible unquantized linear layers (instance attributes).
 
 Why: with `small_m_gemm` the plugin's small-M GEMM kernel serves the decode-sized matmuls of
-the dense linear layers (`integration/linear.py`); vLLM's `LinearBase.forward` calls
+the dense linear layers (`integration/model/small_m_linear.py`); vLLM's `LinearBase.forward` calls
 `self.quant_method.apply(self, x, bias)`, which is the one place a layer's matmul can be
 replaced without touching the model code.
 How: `install` sets the layer object's `quant_method` to a `SmallMLinearMethod` (a subclass of

@@ -2,8 +2,8 @@
 fused-MoE token counts.
 
 Why: the warm-up runs some 50-60 token counts through the model only so that every variant of
-vLLM's fused-MoE kernel is compiled before serving (`integration/moe_warm_up.py`), and runs them
-twice on a fresh node (recorded, then run). Every MoE layer of a Qwen3-MoE model has the same
+vLLM's fused-MoE kernel is compiled before serving (`integration/startup/moe_warm_up.py`), and runs
+them twice on a fresh node (recorded, then run). Every MoE layer of a Qwen3-MoE model has the same
 shapes, so the first one meets every variant the others would; the others' forwards only cost
 time (on the H200, Qwen3-30B-A3B's 48 layers made the token counts about 3 s of a restart's
 5.7-6.5 s to ready, and about 4 s more of a fresh node's warm-up).

@@ -3,8 +3,8 @@ for the length of the start-up kernel warm-up.
 
 Why: vLLM's fused-MoE kernel picks its launch config (and so which Triton variant compiles)
 from the batch's token count through this function; the warm-up must learn, per MoE layer
-shape, which token counts reach which variant (`integration/moe_warm_up.py`), and vLLM exposes
-no other way to ask what a layer would look up.
+shape, which token counts reach which variant (`integration/startup/moe_warm_up.py`), and vLLM
+exposes no other way to ask what a layer would look up.
 How: `replaced(wrapper)` sets the module function to `wrapper(original)` inside a `with` block
 and restores the original on exit, also when the block raises. The wrapper calls the original
 with the same arguments and returns its result unchanged.

@@ -1,7 +1,7 @@
 """Patch: `_compute_routing` of the router of eligible fused-MoE layers (instance attribute).
 
 Why: with `fuse_moe_padding_mask` the routing of a layer whose padding rows skip the experts
-(`integration/moe_padding.py`) is one launch of the plugin's top-k softmax, which also sends
+(`integration/model/moe_padding.py`) is one launch of the plugin's top-k softmax, which also sends
 the padding rows to the sentinel id (`ops/moe_router.py`), in place of vLLM's `topk_softmax`
 followed by a mask launch: a padded step costs no launch more than stock vLLM's.
 How: `install` binds a `_compute_routing` that calls `route(router_logits, indices_type)` to

@@ -1,6 +1,6 @@
 """Patch: `select_experts` of the router of eligible fused-MoE layers (instance attribute).
 
-Why: with `skip_moe_padding` the padding rows of a padded step (`integration/moe_padding.py`)
+Why: with `skip_moe_padding` the padding rows of a padded step (`integration/model/moe_padding.py`)
 get an expert id that vLLM's Triton experts skip, so they cost no expert GEMM and load no
 expert weights; vLLM's MoE runner offers no seam between routing and the experts.
 How: `install` binds a wrapper to the router object (an instance attribute that shadows the

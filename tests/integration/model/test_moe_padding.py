@@ -1,4 +1,4 @@
-"""Padding rows skip the fused MoE's experts (`integration/moe_padding.py`).
+"""Padding rows skip the fused MoE's experts (`integration/model/moe_padding.py`).
 
 CPU tier: the sentinel follows vLLM 0.26's own path choice (`_prepare_expert_assignment`), the
 rewrite touches only padding rows and only inside a padded forward, a key that cannot pad (one
@@ -18,7 +18,13 @@ import torch
 from tests.gpu_util import require_cuda_and_vllm
 from tests.serve_util import run_on_tiny_qwen3_moe
 from vllm_moe_graphs.config import PluginConfig
-from vllm_moe_graphs.integration.moe_padding import MoePadding, padded_scope, sentinel
+from vllm_moe_graphs.graphs.buckets import GraphKey
+from vllm_moe_graphs.integration.model.moe_padding import (
+    MoePadding,
+    key_scope,
+    padded_scope,
+    sentinel,
+)
 
 E, K = 128, 8  # Qwen3-30B-A3B: 128 experts, top-8
 
@@ -71,6 +77,12 @@ def test_only_padding_rows_are_rewritten_and_only_while_padded() -> None:
             pass
     with padded_scope(None, 3), padded_scope(padding, None):
         assert not padding.active  # no rewrite installed, or vLLM's own unpadded step
+    with key_scope(padding, None, 3), key_scope(padding, GraphKey(1, 64), 1):
+        assert not padding.active  # vLLM's own step, a key that cannot pad
+    with key_scope(padding, GraphKey(8, 64), 3):
+        assert padding.active  # a key that pads: its real rows
+    with key_scope(None, GraphKey(8, 64), 3):
+        assert not padding.active  # no rewrite installed
 
 
 def test_skip_moe_padding_is_on_by_default_and_parsed() -> None:
@@ -180,8 +192,8 @@ def test_graph_of_a_key_that_cannot_pad_has_no_mask(bucket: int, real: int,
     from tests.graphs.test_runner import Emulated
     from vllm_moe_graphs.capability import Reason
     from vllm_moe_graphs.graphs import Action, Decision, DecodeGraphRunner, GraphKey
-    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
-    from vllm_moe_graphs.integration.moe_padding import key_pads
+    from vllm_moe_graphs.integration.runner.lifecycle import GraphLifecycle
+    from vllm_moe_graphs.integration.model.moe_padding import key_pads
 
     assert key_pads(bucket) is (bucket > 1)
     cfg = PluginConfig(decode_batch_buckets=(1, 2, 8), context_buckets=(64,), warmup_steps=0)
@@ -203,7 +215,7 @@ def test_graph_of_a_key_that_cannot_pad_has_no_mask(bucket: int, real: int,
 
 _INSTALL = r"""
 from types import SimpleNamespace
-from vllm_moe_graphs.integration import moe_padding
+from vllm_moe_graphs.integration.model import moe_padding
 
 runner = SimpleNamespace(input_ids=SimpleNamespace(gpu=torch.zeros(64, dtype=torch.int32)),
                          device=torch.device("cpu"))

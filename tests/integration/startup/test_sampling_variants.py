@@ -1,6 +1,7 @@
 """The serving variants of vLLM's top-k/top-p sampling kernel, compiled into Triton's cache by a
-subprocess without CUDA (integration/sampling_variants.py): the real subprocess compiling for an
-H100/H200 target on CPU; on a GPU, vLLM's own launches then load every variant from the cache."""
+subprocess without CUDA (integration/startup/sampling_variants.py): the real subprocess compiling
+for an H100/H200 target on CPU; on a GPU, vLLM's own launches then load every variant from the
+cache."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from tests.gpu_util import require_cuda_and_vllm
-from vllm_moe_graphs.integration import sampler_warm_up, sampling_variants
-from vllm_moe_graphs.integration.sampling_variants import (
+from vllm_moe_graphs.integration.startup import sampler_warm_up, sampling_variants
+from vllm_moe_graphs.integration.startup.sampling_variants import (
     ServingVariantsCompile,
     Variant,
     serving_variants,
@@ -109,7 +110,7 @@ def test_subprocess_ends_with_the_engine_process(cache_dir):
 
     script = (
         "import os, sys\n"
-        "from vllm_moe_graphs.integration.sampling_variants import *\n"
+        "from vllm_moe_graphs.integration.startup.sampling_variants import *\n"
         "vs = serving_variants(256)\n"
         "job = ServingVariantsCompile(subprocess_argv(%r, 1000, vs), vs)\n"
         "print(job._proc.pid, flush=True)\n"
@@ -154,8 +155,8 @@ def test_runner_starts_it_once_after_its_first_capture(monkeypatch, enabled):
     """`capture_model` starts the subprocess after its capture when the setting is on, and
     only the first time (a later capture, e.g. after a wake-up, starts none)."""
     from vllm_moe_graphs.config import PluginConfig
-    from vllm_moe_graphs.integration import model_runner
-    from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
+    from vllm_moe_graphs.integration.runner import model_runner
+    from vllm_moe_graphs.integration.runner.model_runner import MoeGraphsModelRunner
 
     started = []
     monkeypatch.setattr(model_runner, "start_for_runner",

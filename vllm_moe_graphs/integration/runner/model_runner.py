@@ -1,7 +1,7 @@
 """`MoeGraphsModelRunner`: vLLM 0.26's V1 `GPUModelRunner` with the plugin's decode CUDA graphs.
 
 A thin subclass: each override calls vLLM's method and forwards to the runner's one
-`GraphLifecycle` (`integration/lifecycle.py`), which owns the KV storage binding, the graph
+`GraphLifecycle` (`integration/runner/lifecycle.py`), which owns the KV storage binding, the graph
 runner, the per-step plan and the start-up work. vLLM's own capture is off for engines it runs
 in (`cudagraph_mode=NONE`, set by `hooks.take_over_decode_graphs`), so the plugin's graphs are
 the only ones.
@@ -32,24 +32,24 @@ lifecycle: create the `GraphLifecycle` (it reads the plugin config and creates t
 install the configured kernels; sampler compile: vLLM's top-k/top-p sampling kernel compiled on
 a thread of its own from the start of the load, its launches in the profile run skipped (their
 samples are discarded), the thread joined after the warm-up, before vLLM's own sampler warm-up
-(`integration/sampler_warm_up.py`); sampling variants: once, after the first capture, a
+(`integration/startup/sampler_warm_up.py`); sampling variants: once, after the first capture, a
 subprocess compiles the sampling kernel's other variants into Triton's cache
-(`integration/sampling_variants.py`); bind: phase profiling or serving; graphs: start the decode
-graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
+(`integration/startup/sampling_variants.py`); bind: phase profiling or serving; graphs: start the
+decode graphs (and the decode inputs, in-graph logits) once the serving bind holds. Each hook runs
 after super(), except the sampler compile and its skipped launches, the unbind (super frees
 the memory it must release), close (also when super raises) and the per-step ones below.
 
 Per step (`execute_model`, one `GraphLifecycle` step scope): a pure-decode step's inputs go to
-vLLM's persistent buffers through `integration/decode_inputs.py`, any other step's through vLLM;
-then `_determine_batch_execution_and_padding` plans the step (`GraphLifecycle.plan`, host ints
+vLLM's persistent buffers through `integration/runner/decode_inputs.py`, any other step's through
+vLLM; then `_determine_batch_execution_and_padding` plans the step (`GraphLifecycle.plan`, host ints
 only: one frozen `StepPlan`). On a graph path (replay, capture, warm-up) it returns vLLM's FULL
 runtime mode with a `BatchDescriptor` of the bucket, so vLLM pads inputs, slot mapping (-1) and
 attention metadata (seq_len 0, null block) to the bucket as for its own FULL graphs; an eager
 fallback returns vLLM's unpadded NONE. A lean replay builds no attention metadata (the graph
 reads the persistent buffers). `_model_forward` runs the plan through the `DecodeGraphRunner`,
 which hands back only the real rows; on graph paths of batch buckets up to 64 the forward
-includes the LM head (`integration/graph_logits.py`), whose logits vLLM's `compute_logits` call
-then receives.
+includes the LM head (`integration/model/graph_logits.py`), whose logits vLLM's `compute_logits`
+call then receives.
 
 Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (warm-up,
 precapture), `input_batch.block_table.compute_slot_mapping` (warm-up).
@@ -89,9 +89,15 @@ from vllm.forward_context import BatchDescriptor
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_moe_graphs.config import plugin_config
-from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
-from vllm_moe_graphs.integration.sampler_warm_up import SamplerCompile, start_for_profile_run
-from vllm_moe_graphs.integration.sampling_variants import ServingVariantsCompile, start_for_runner
+from vllm_moe_graphs.integration.runner.lifecycle import GraphLifecycle
+from vllm_moe_graphs.integration.startup.sampler_warm_up import (
+    SamplerCompile,
+    start_for_profile_run,
+)
+from vllm_moe_graphs.integration.startup.sampling_variants import (
+    ServingVariantsCompile,
+    start_for_runner,
+)
 from vllm_moe_graphs.kv.storage import Phase
 
 if TYPE_CHECKING:

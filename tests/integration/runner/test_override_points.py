@@ -12,8 +12,9 @@ gpu_model_runner = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 GPUModelRunner = gpu_model_runner.GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
-from vllm_moe_graphs.integration import model_runner, runner_buffers, worker  # noqa: E402
-from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner  # noqa: E402
+from vllm_moe_graphs.integration import worker  # noqa: E402
+from vllm_moe_graphs.integration.runner import buffers, model_runner  # noqa: E402
+from vllm_moe_graphs.integration.runner.model_runner import MoeGraphsModelRunner  # noqa: E402
 from vllm_moe_graphs.integration.signatures import (  # noqa: E402
     RUNNER_CALLED,
     RUNNER_OVERRIDES,
@@ -170,7 +171,7 @@ def _bare_runner(layers: dict):
     import types
 
     from vllm_moe_graphs.config import PluginConfig
-    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
+    from vllm_moe_graphs.integration.runner.lifecycle import GraphLifecycle
     from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
     import torch
@@ -193,7 +194,7 @@ def _bare_runner(layers: dict):
         slot_mapping=ns(gpu=torch.zeros(8, dtype=torch.int64)))]))
     r.attn_groups = []
     r.moe_graphs.storage.bind(layers, phase=Phase.SERVING,
-                              buffers=runner_buffers.graph_buffers(r))
+                              buffers=buffers.graph_buffers(r))
     r.moe_graphs.watch_kv(layers)
     return r
 
@@ -264,14 +265,14 @@ def test_bind_lets_our_metadata_builders_read_vllm_buffers_in_place():
     for mode, calls in (("FULL_DECODE_ONLY", 0), ("NONE", 1)):
         r.compilation_config.cudagraph_mode = types.SimpleNamespace(name=mode)
         # another backend's builder also serves this model: replays keep building metadata
-        assert runner_buffers.read_metadata_in_place(r) is False
+        assert buffers.read_metadata_in_place(r) is False
         assert len(ours.calls) == calls, mode  # vLLM's own capture rewrites seq_lens: not then
     ((qsl, seq_lens, block_table),) = ours.calls
     assert qsl is r.query_start_loc.gpu and seq_lens is r.seq_lens and block_table is table
     r.attn_groups = [[types.SimpleNamespace(get_metadata_builder=lambda: ours)]]
-    assert runner_buffers.read_metadata_in_place(r) is True  # ours alone, read in place
+    assert buffers.read_metadata_in_place(r) is True  # ours alone, read in place
     r.routed_experts_initialized = True  # vLLM's routed-experts capture reads the metadata
-    assert runner_buffers.read_metadata_in_place(r) is False
+    assert buffers.read_metadata_in_place(r) is False
 
 
 def test_our_runner_attributes_do_not_collide_with_vllm():
@@ -379,7 +380,7 @@ class _ToyLM:
 def test_decode_graph_paths_compute_the_logits_inside_the_forward():
     import torch
 
-    from vllm_moe_graphs.integration.graph_logits import GraphLogits
+    from vllm_moe_graphs.integration.model.graph_logits import GraphLogits
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=1)
     lm = _ToyLM()
@@ -411,7 +412,7 @@ def test_decode_graph_paths_compute_the_logits_inside_the_forward():
 
 
 def test_logits_stay_with_vllm_past_the_buffer_and_on_unpadded_fallbacks(tmp_path):
-    from vllm_moe_graphs.integration.graph_logits import GraphLogits
+    from vllm_moe_graphs.integration.model.graph_logits import GraphLogits
     from vllm_moe_graphs.killswitch import KillSwitch
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=0)
@@ -468,6 +469,18 @@ class _PlanRecorder:
 
     def plan_for(self, context_bucket, max_query_len=None) -> None:
         self.planned.append((context_bucket, max_query_len))
+
+
+def test_plan_builders_hands_every_builder_its_keys_launch():
+    """A decode key plans its context bucket, a key with prefill tokens its token bucket (the
+    varlen kernel's tile), no key the step's own; every builder alike."""
+    from vllm_moe_graphs.graphs.buckets import GraphKey
+
+    builders = [_PlanRecorder(), _PlanRecorder()]
+    buffers.plan_builders(builders, GraphKey(4, 256))
+    buffers.plan_builders(builders, GraphKey(16, 0, 8))
+    buffers.plan_builders(builders, None)
+    assert [b.planned for b in builders] == [[(256, None), (None, 16), (None, None)]] * 2
 
 
 def test_graph_steps_plan_attention_for_their_keys_context_bucket():
@@ -615,7 +628,7 @@ def test_precapture_plans_each_key_at_its_context_bucket():
     import torch
 
     from vllm_moe_graphs.graphs.buckets import GraphKey, graph_config
-    from vllm_moe_graphs.integration.precapture import PrecaptureModel
+    from vllm_moe_graphs.integration.startup.precapture import PrecaptureModel
 
     r, capture, mode_enum = _stepping_runner(warmup_steps=3)
     r.max_model_len = 4096
@@ -865,7 +878,7 @@ def test_start_up_warm_up_adds_the_fused_moe_token_counts(monkeypatch, caplog):
     from tests.integration.test_model_layer_range import _stack
 
     from vllm_moe_graphs.graphs.buckets import graph_config
-    from vllm_moe_graphs.integration.moe_padding import MoePadding
+    from vllm_moe_graphs.integration.model.moe_padding import MoePadding
 
     def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):  # 0.26's parameters
         return {"BLOCK_SIZE_M": 16 if M <= 40 else 64}
@@ -936,8 +949,8 @@ def test_warm_up_compile_threads_records_then_compiles_before_the_runs(monkeypat
     from vllm.model_executor.layers.fused_moe.experts import triton_moe
 
     from vllm_moe_graphs.graphs.buckets import graph_config
-    from vllm_moe_graphs.integration.moe_warm_up import DEFERRED_KERNEL
-    from vllm_moe_graphs.integration.precapture import PREFILL_WARM_UP_TOKENS
+    from vllm_moe_graphs.integration.startup.moe_warm_up import DEFERRED_KERNEL
+    from vllm_moe_graphs.integration.startup.precapture import PREFILL_WARM_UP_TOKENS
 
     def lookup(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
         return {"BLOCK_SIZE_M": 16}

@@ -43,11 +43,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_moe_graphs.integration.patch import router_compute_routing, router_select_experts
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.graphs.buckets import GraphKey
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -143,6 +146,14 @@ def padded_scope(padding: MoePadding | None,
     if padding is None or real_rows is None:
         return contextlib.nullcontext()
     return padding.padded(real_rows)
+
+
+def key_scope(padding: MoePadding | None, key: GraphKey | None,
+              real_rows: int) -> contextlib.AbstractContextManager[None]:
+    """The MoE padding scope of a forward at `key`'s padded size with `real_rows` real rows
+    (none for vLLM's own unpadded step, `key` None, or a key that cannot pad)."""
+    pads = key is not None and key_pads(key.batch_bucket)
+    return padded_scope(padding, real_rows if pads else None)
 
 
 def key_pads(batch_bucket: int) -> bool:

@@ -5,9 +5,12 @@ Functions of a `MoeGraphsModelRunner` (vLLM 0.26.0 attribute names)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_moe_graphs.graphs.buckets import GraphKey
 
 
 def kv_tensors(runner: Any, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -45,6 +48,18 @@ def our_metadata_builders(runner: Any) -> list[Any]:
 
     return [b for groups in runner.attn_groups for g in groups
             if isinstance(b := g.get_metadata_builder(), MoeGraphsMetadataBuilder)]
+
+
+def plan_builders(builders: Iterable[Any], key: GraphKey | None) -> None:
+    """Our metadata `builders` plan the next build for `key` (`plan_for`): a decode key's
+    context bucket (the decode kernel's split count), a key with prefill tokens' token bucket
+    (the varlen kernel's tile: one launch shape per graph); None: the step's own."""
+    if key is None:
+        planned = (None, None)
+    else:
+        planned = (key.context_bucket, None) if key.decode else (None, key.batch_bucket)
+    for builder in builders:
+        builder.plan_for(*planned)
 
 
 def decode_split_plan(runner: Any) -> Callable[[int, int], tuple[int, ...]] | None:

@@ -19,7 +19,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
     UnquantizedEmbeddingMethod,
 )
 
-from vllm_moe_graphs.integration import graph_logits  # noqa: E402
+from vllm_moe_graphs.integration.model import graph_logits  # noqa: E402
 
 
 def _model(lp=None, **head):

@@ -17,8 +17,9 @@ vLLM's cache has no valid entry for it. A byte-identical model file yields the s
 which is all vLLM's own cache relies on too; anything else leaves vLLM to inspect as usual.
 Any error here is logged and ignored: this only saves time.
 
-Regenerate the data (after a vLLM upgrade): `python -m vllm_moe_graphs.integration.model_info_seed
---write`; tests/integration/test_model_info_seed.py fails while it is stale.
+Regenerate the data (after a vLLM upgrade):
+`python -m vllm_moe_graphs.integration.startup.model_info_seed --write`;
+tests/integration/startup/test_model_info_seed.py fails while it is stale.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ specialises integer arguments on divisibility by 16). Qwen3's generation config 
 requests compiles a variant in the middle of serving.
 
 `start_serving_variants` (from the runner's `capture_model`, once) compiles each variant the
-engine can reach in a subprocess (`python -m vllm_moe_graphs.integration.sampling_variants`,
+engine can reach in a subprocess (`python -m vllm_moe_graphs.integration.startup.sampling_variants`,
 niced, without CUDA: `CUDA_VISIBLE_DEVICES` empty and a Triton driver that only names the GPU's
 target, so no CUDA context and no GPU memory) through Triton's `warmup` of vLLM's own kernel,
 which writes each into Triton's on-disk cache; the subprocess shares the engine's environment
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_moe_graphs.integration.sampler_warm_up import (
+from vllm_moe_graphs.integration.startup.sampler_warm_up import (
     TRITON_MIN_ROWS,
     kernel_variant,
     launched_kernel,

@@ -1,5 +1,5 @@
-"""Seeding vLLM's model-info cache (integration/model_info_seed.py), against the installed vLLM
-0.26.0's registry, cache reader and inspection."""
+"""Seeding vLLM's model-info cache (integration/startup/model_info_seed.py), against the
+installed vLLM 0.26.0's registry, cache reader and inspection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moe_graphs.integration import model_info_seed as seed
+from vllm_moe_graphs.integration.startup import model_info_seed as seed
 
 
 @pytest.fixture

@@ -13,7 +13,10 @@ forward context) and calls the model; inside `GraphLifecycle.capturing(key)`, `P
 stands in for the model there and captures that key. With `mixed_graphs` the keys of steps with
 prefill tokens come first, one per token bucket, largest first: a dummy step of one-token
 requests, as many as the key pads requests to, which vLLM pads to the key's tokens (the graph
-of a token bucket serves every mix of requests within it)."""
+of a token bucket serves every mix of requests within it).
+
+The runner and its `GraphLifecycle` come in as the protocols below (what this module uses of
+them), not as their classes: runner/ imports this module, never the reverse."""
 
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_moe_graphs.integration.moe_warm_up import (
+from vllm_moe_graphs.integration.startup.moe_warm_up import (
     compile_in_parallel,
     counting_triton_builds,
     deferring_fused_moe_compiles,
@@ -36,18 +39,50 @@ from vllm_moe_graphs.integration.moe_warm_up import (
 from vllm_moe_graphs.integration.patch.model_layer_range import first_moe_layer_only
 
 if TYPE_CHECKING:
+    from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs.buckets import GraphKey
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
-    from vllm_moe_graphs.integration.lifecycle import GraphLifecycle
-    from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
-    from vllm_moe_graphs.integration.moe_padding import MoePadding
+    from vllm_moe_graphs.integration.model.moe_padding import MoePadding
 
 logger = logging.getLogger("vllm.moe_graphs")
 
 PREFILL_WARM_UP_TOKENS = (2, 4, 8, 16, 32, 64)  # ops/prefill.py: BLOCK_Q <= 64 query tokens
 
 
-def precapture_all(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> int:
+class DummyBatchRunner(Protocol):
+    """What the start-up work uses of the V1 model runner (`MoeGraphsModelRunner`): vLLM's dummy
+    batch, the sizes it may take, the model, and the block table's slot-mapping kernel."""
+
+    max_num_tokens: int
+    max_model_len: int
+    device: torch.device
+    compilation_config: Any  # vLLM's CompilationConfig (its `mode`)
+    input_batch: Any  # vLLM's InputBatch (its `block_table`)
+
+    def _dummy_run(self, num_tokens: int, **kwargs: Any) -> Any: ...
+
+    def get_model(self) -> Any: ...
+
+
+class CaptureLifecycle(Protocol):
+    """What precapture and idle capture use of the runner's `GraphLifecycle`."""
+
+    config: PluginConfig
+    graphs: DecodeGraphRunner | None
+    moe_padding: MoePadding | None
+    idle_settled: bool
+
+    @property
+    def model(self) -> Any: ...
+
+    def capturing(self, key: GraphKey) -> contextlib.AbstractContextManager[None]: ...
+
+    def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor: ...
+
+    def publish(self) -> None: ...
+
+
+def precapture_all(runner: DummyBatchRunner, lifecycle: CaptureLifecycle) -> int:
     """Warm the kernels up, then capture every key when configured (else log the lazy plan);
     returns the pool bytes."""
     config, graphs = lifecycle.config, lifecycle.graphs
@@ -80,7 +115,7 @@ def capture_order(graphs: DecodeGraphRunner) -> tuple[GraphKey, ...]:
     return graphs.mixed_keys() + graphs.all_keys()
 
 
-def capture_key(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle, key: GraphKey) -> None:
+def capture_key(runner: DummyBatchRunner, lifecycle: CaptureLifecycle, key: GraphKey) -> None:
     """Capture `key` from vLLM's dummy batch of it (a failure quarantines the key). Its slot
     mapping is -1 (no KV write), so it may run between steps too."""
     with lifecycle.capturing(key):
@@ -99,7 +134,7 @@ def capture_key(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle, key: Gr
                               is_graph_capturing=False, profile_seq_lens=1)
 
 
-def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) -> bool:
+def idle_capture_one(runner: DummyBatchRunner, lifecycle: CaptureLifecycle) -> bool:
     """`idle_capture`, called while the engine waits for requests: capture the first key, in
     precapture's order, that has no graph and may be captured now; returns whether another
     one remains (False: nothing to do until something changes, e.g. graphs dropped, the kill
@@ -128,7 +163,7 @@ def idle_capture_one(runner: MoeGraphsModelRunner, lifecycle: GraphLifecycle) ->
     return False
 
 
-def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
+def warm_up_kernels(runner: DummyBatchRunner, graphs: DecodeGraphRunner,
                     decode_keys: bool = True, moe_padding: MoePadding | None = None,
                     compile_threads: int = 0) -> float:
     """Run every kernel shape class a request can meet once, eagerly, before the engine is
@@ -161,7 +196,7 @@ def warm_up_kernels(runner: MoeGraphsModelRunner, graphs: DecodeGraphRunner,
     return seconds
 
 
-def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
+def _warm_up(runner: DummyBatchRunner, keys: list[GraphKey],
              compile_threads: int = 0) -> tuple[int, int, int | None]:
     """`warm_up_kernels`' runs; returns the numbers of prefill batches and of fused-MoE token
     counts, and how many layers the token counts ran through (None: every layer)."""
@@ -211,7 +246,7 @@ def _warm_up(runner: MoeGraphsModelRunner, keys: list[GraphKey],
     return len(prefill) + (limit >= 2), len(moe), depth
 
 
-def _run_token_counts(runner: MoeGraphsModelRunner, counts: list[int]) -> int | None:
+def _run_token_counts(runner: DummyBatchRunner, counts: list[int]) -> int | None:
     """The fused-MoE token counts, each once, eagerly and without attention; returns how many
     layers they ran through (None: every layer)."""
     if not counts:
@@ -226,7 +261,7 @@ def _run_token_counts(runner: MoeGraphsModelRunner, counts: list[int]) -> int | 
     return depth
 
 
-def _first_moe_layer_only(runner: MoeGraphsModelRunner) -> Any:
+def _first_moe_layer_only(runner: DummyBatchRunner) -> Any:
     """`patch/model_layer_range.first_moe_layer_only` where the model runs as Python
     (compilation mode NONE, as the take-over sets it); else a block that cuts nothing (a
     torch.compile'd forward would not see the cut, or compile again for it)."""
@@ -255,7 +290,7 @@ def _compile_moe_variants(deferred: dict[str, tuple[Any, str]], counts: list[int
                 threads, time.perf_counter() - start, compiled.built)
 
 
-def _warm_up_slot_mapping(runner: MoeGraphsModelRunner) -> None:
+def _warm_up_slot_mapping(runner: DummyBatchRunner) -> None:
     """The V1 runner's slot-mapping kernel (`BlockTable.compute_slot_mapping`), which its input
     preparation runs for every step vLLM prepares: one token on the real block tables, whose
     output buffer every later step rewrites."""
@@ -270,7 +305,7 @@ class PrecaptureModel:
     that key (with the LM head inside when a real step of the key would have it,
     `logits_in_graph`)."""
 
-    def __init__(self, lifecycle: GraphLifecycle, key: GraphKey) -> None:
+    def __init__(self, lifecycle: CaptureLifecycle, key: GraphKey) -> None:
         self._lifecycle, self._key = lifecycle, key
 
     def __call__(self, **kwargs: Any) -> torch.Tensor:

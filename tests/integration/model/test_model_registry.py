@@ -18,7 +18,7 @@ from torch import nn
 
 from tests.serve_util import run_result_script
 from vllm_moe_graphs.capability import Reason
-from vllm_moe_graphs.integration.model_registry import (
+from vllm_moe_graphs.integration.model.registry import (
     AttentionLayerRegistry,
     classify_config,
     classify_layer_type,
@@ -30,7 +30,7 @@ from vllm_moe_graphs.integration.model_registry import (
 # import: triton imported before TRITON_INTERPRET=1 is set (tests/ops/conftest.py, test_proofs)
 # breaks the interpreter for the whole session.
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 SHIPPED = REPO / "vllm_moe_graphs" / "model_configs"
 
 # DeepSeek-V2-Lite's config.json, trimmed: MLA fields and no head_dim anywhere.
@@ -149,7 +149,7 @@ def test_registry_denies_modules_that_are_not_qwen3_attention():
 
 
 def test_importing_the_registry_imports_no_vllm():
-    code = ("import sys, vllm_moe_graphs.integration.model_registry as r; "
+    code = ("import sys, vllm_moe_graphs.integration.model.registry as r; "
             "r.classify_config({'architectures': ['DeepseekV2ForCausalLM']}); "
             "assert not any(m.split('.')[0] == 'vllm' for m in sys.modules), 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
@@ -166,7 +166,7 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-from vllm_moe_graphs.integration.model_registry import AttentionLayerRegistry, register_model
+from vllm_moe_graphs.integration.model.registry import AttentionLayerRegistry, register_model
 from vllm_moe_graphs.kv import PagedKVStorage
 
 PORT = int(sys.argv[1])

@@ -29,7 +29,7 @@ from tests.gpu_util import engine_starting
 from tests.tiny_models import build_checkpoint
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
+from vllm_moe_graphs.integration.runner.decode_inputs import DecodeInputs, pure_decode, unsupported
 
 path = build_checkpoint(tempfile.mkdtemp())
 ASYNC = sys.argv[2] == "async"
@@ -230,7 +230,8 @@ def test_gpu_decode_inputs_match_vllm_prepare_inputs() -> None:
     env.update(MOE_GRAPHS_DISABLE="1", VLLM_USE_V2_MODEL_RUNNER="0",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     env.pop("TRITON_INTERPRET", None)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/integration/runner
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     proc = subprocess.run([sys.executable, "-c", PROBE, str(free_port()), "async", "gpu"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -251,7 +252,7 @@ def test_bookkeeping_skips_discarded_rows_as_vllm_does():
 
     import numpy as np
 
-    from vllm_moe_graphs.integration.decode_inputs import DecodeInputs
+    from vllm_moe_graphs.integration.runner.decode_inputs import DecodeInputs
 
     class Gen:
         def __init__(self):

@@ -36,7 +36,7 @@ reads them.
 
 Per step the runner takes this path only for a pure-decode batch (one token per request, no
 draft tokens, no prompt embeddings); any other step, and any engine `unsupported` names, runs
-vLLM's `_prepare_inputs` unchanged. `tests/integration/test_decode_inputs.py` runs a real CPU
+vLLM's `_prepare_inputs` unchanged. `tests/integration/runner/test_decode_inputs.py` runs a real CPU
 engine through both and compares every buffer above, step by step.
 """
 

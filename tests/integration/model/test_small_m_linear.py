@@ -1,6 +1,7 @@
-"""The opt-in small-M GEMM wiring (`integration/linear.py`) on a real vLLM Qwen3 model (CPU
-build of vLLM, kernels under the Triton interpreter, float32): which layers get it, that decode
-sized inputs take the kernel and prefill sized ones vLLM's GEMM, with the same results."""
+"""The opt-in small-M GEMM wiring (`integration/model/small_m_linear.py`) on a real vLLM Qwen3
+model (CPU build of vLLM, kernels under the Triton interpreter, float32): which layers get it,
+that decode sized inputs take the kernel and prefill sized ones vLLM's GEMM, with the same
+results."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-from vllm_moe_graphs.integration.linear import SmallMLinearMethod, install_small_m_gemm
+from vllm_moe_graphs.integration.model.small_m_linear import (
+    SmallMLinearMethod, install_small_m_gemm)
 
 path = tempfile.mkdtemp()
 Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=64,
@@ -117,6 +119,6 @@ def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:
     (128, 2048, False),                          # Qwen3-30B-A3B router gate: not measured
 ])
 def test_auto_takes_the_layers_measured_faster(n, k, picked) -> None:
-    from vllm_moe_graphs.integration.linear import auto_selects
+    from vllm_moe_graphs.integration.model.small_m_linear import auto_selects
 
     assert auto_selects(n, k) is picked

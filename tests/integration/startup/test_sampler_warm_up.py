@@ -1,5 +1,6 @@
 """vLLM's top-k/top-p sampling kernel compiled on its own thread, waited for by the profile run
-(integration/sampler_warm_up.py): the thread and hook plumbing on CPU, the variant on a GPU."""
+(integration/startup/sampler_warm_up.py): the thread and hook plumbing on CPU, the variant on a
+GPU."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from tests.gpu_util import require_cuda_and_vllm
-from vllm_moe_graphs.integration import sampler_warm_up
-from vllm_moe_graphs.integration.sampler_warm_up import (
+from vllm_moe_graphs.integration.startup import sampler_warm_up
+from vllm_moe_graphs.integration.startup.sampler_warm_up import (
     SamplerCompile,
     profile_variant,
     start_for_profile_run,
@@ -128,7 +129,7 @@ def test_runner_skips_in_its_profile_run_and_joins_after_its_capture(monkeypatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_moe_graphs.config import PluginConfig
-    from vllm_moe_graphs.integration.model_runner import MoeGraphsModelRunner
+    from vllm_moe_graphs.integration.runner.model_runner import MoeGraphsModelRunner
 
     kernel, release, launched = _kernel(), threading.Event(), []
     runner = MoeGraphsModelRunner.__new__(MoeGraphsModelRunner)  # __init__ needs a VllmConfig

@@ -1,4 +1,4 @@
-"""The opt-in fused q/k RMSNorm + RoPE (`integration/qk_norm_rope.py`).
+"""The opt-in fused q/k RMSNorm + RoPE (`integration/model/qk_norm_rope.py`).
 
 CPU tier: a real vLLM Qwen3 model (CPU build of vLLM): which modules qualify and why not, and
 that a build without the fused op leaves every module exactly as vLLM built it. GPU tier: the
@@ -21,7 +21,7 @@ from transformers import Qwen3Config
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-from vllm_moe_graphs.integration import qk_norm_rope as qnr
+from vllm_moe_graphs.integration.model import qk_norm_rope as qnr
 
 def build(head_dim, dtype, port=None):
     path = tempfile.mkdtemp()
@@ -94,7 +94,7 @@ def test_fused_forward_matches_vllms_unfused_path(num_heads, num_kv_heads) -> No
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from vllm_moe_graphs.integration import qk_norm_rope as qnr
+    from vllm_moe_graphs.integration.model import qk_norm_rope as qnr
 
     if not qnr.op_available():
         pytest.skip("this vLLM build has no torch.ops._C.fused_qk_norm_rope")

@@ -1,11 +1,12 @@
-"""The fused-MoE part of the start-up warm-up (integration/moe_warm_up.py), against vLLM 0.26's
-real config lookup (`try_get_optimal_moe_config`, its tuned H200 table and its defaults)."""
+"""The fused-MoE part of the start-up warm-up (integration/startup/moe_warm_up.py), against
+vLLM 0.26's real config lookup (`try_get_optimal_moe_config`, its tuned H200 table and its
+defaults)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_moe_graphs.integration.moe_warm_up import (
+from vllm_moe_graphs.integration.startup.moe_warm_up import (
     MoeCall,
     moe_token_counts,
     recording_moe_configs,
@@ -102,7 +103,7 @@ def test_deferring_records_vllms_fused_moe_kernel_and_passes_the_rest_on(monkeyp
     from triton.runtime.jit import JitFunctionInfo
     from vllm.model_executor.layers.fused_moe import fused_moe
 
-    from vllm_moe_graphs.integration.moe_warm_up import (
+    from vllm_moe_graphs.integration.startup.moe_warm_up import (
         DEFERRED_KERNEL,
         deferring_fused_moe_compiles,
     )
@@ -149,7 +150,7 @@ def test_compile_in_parallel_compiles_on_threads_before_it_returns():
 
     from triton.runtime import _async_compile
 
-    from vllm_moe_graphs.integration.moe_warm_up import compile_in_parallel
+    from vllm_moe_graphs.integration.startup.moe_warm_up import compile_in_parallel
 
     barrier, cache, threads = threading.Barrier(4, timeout=10), {}, set()
 
@@ -182,7 +183,7 @@ def test_counting_triton_builds_counts_what_the_disk_cache_lacked(monkeypatch):
 
     from triton import knobs
 
-    from vllm_moe_graphs.integration.moe_warm_up import counting_triton_builds
+    from vllm_moe_graphs.integration.startup.moe_warm_up import counting_triton_builds
 
     heard: list[bool] = []
     previous = lambda **kw: heard.append(kw["cache_hit"])  # noqa: E731
@@ -211,7 +212,7 @@ def test_deferring_fused_moe_compiles_restores_both_hooks_when_the_block_raises(
     from triton import knobs
     from vllm.model_executor.layers.fused_moe import fused_moe
 
-    from vllm_moe_graphs.integration.moe_warm_up import deferring_fused_moe_compiles
+    from vllm_moe_graphs.integration.startup.moe_warm_up import deferring_fused_moe_compiles
 
     previous = knobs.runtime.jit_cache_hook
     jit = types.SimpleNamespace(pre_run_hooks=["theirs"])

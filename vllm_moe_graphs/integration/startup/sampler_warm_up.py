@@ -145,8 +145,9 @@ class SamplerCompile:
         if self.unforeseen:
             logger.warning("moe_graphs: the profile run skipped %d variant(s) of vLLM's "
                            "top-k/top-p sampling kernel that its own thread did not compile "
-                           "(their arguments differ from integration/sampler_warm_up.py's); "
-                           "vLLM's sampler warm-up compiles them", self.unforeseen)
+                           "(their arguments differ from "
+                           "integration/startup/sampler_warm_up.py's); vLLM's sampler warm-up "
+                           "compiles them", self.unforeseen)
 
 
 def start_sampler_compile(rows: int, vocab_size: int, device: Any) -> SamplerCompile | None:

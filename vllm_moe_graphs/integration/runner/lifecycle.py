@@ -17,7 +17,7 @@ inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
     with lifecycle.capturing(key): ...                  # precapture's dummy batch for `key`
     lifecycle.close()                                   # shutdown
 
-When vLLM makes these calls: the lifecycle table in `integration/model_runner.py`.
+When vLLM makes these calls: the lifecycle table in `integration/runner/model_runner.py`.
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ from vllm_moe_graphs.graphs.buckets import context_coverage, graph_config
 from vllm_moe_graphs.graphs.kinds import StepKind, step_kind
 from vllm_moe_graphs.graphs.plan import StepPlan, StepScope, key_padding
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
-from vllm_moe_graphs.integration import runner_buffers
-from vllm_moe_graphs.integration.decode_inputs import DecodeInputs, pure_decode, unsupported
-from vllm_moe_graphs.integration.graph_logits import install_graph_logits
-from vllm_moe_graphs.integration.moe_padding import (
+from vllm_moe_graphs.integration.runner import buffers
+from vllm_moe_graphs.integration.runner.decode_inputs import DecodeInputs, pure_decode, unsupported
+from vllm_moe_graphs.integration.model.graph_logits import install_graph_logits
+from vllm_moe_graphs.integration.model.moe_padding import (
     MoePadding,
     install_moe_padding,
-    key_pads,
-    padded_scope,
+    key_scope,
 )
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.config import PluginConfig
     from vllm_moe_graphs.graphs.buckets import GraphKey
-    from vllm_moe_graphs.integration.graph_logits import GraphLogits
-    from vllm_moe_graphs.integration.model_registry import AttentionLayerRegistry
+    from vllm_moe_graphs.integration.model.graph_logits import GraphLogits
+    from vllm_moe_graphs.integration.model.registry import AttentionLayerRegistry
     from vllm_moe_graphs.metrics import MetricsRecorder
 
 logger = logging.getLogger("vllm.moe_graphs")
@@ -90,7 +89,7 @@ class GraphLifecycle:
 
     def register(self, model: Any) -> None:
         """Classify the loaded model's layers; install the configured kernels where it holds."""
-        from vllm_moe_graphs.integration.model_registry import register_model
+        from vllm_moe_graphs.integration.model.registry import register_model
 
         self.layers = register_model(model)
         proof = self.layers.proof()
@@ -98,11 +97,11 @@ class GraphLifecycle:
                     f" ({proof.detail})" if proof.detail else "")
         c = self.config
         if c.enabled and c.small_m_gemm and proof.holds:
-            from vllm_moe_graphs.integration.linear import install_small_m_gemm
+            from vllm_moe_graphs.integration.model.small_m_linear import install_small_m_gemm
 
             self.linear = install_small_m_gemm(model, c.small_m_gemm)
         if c.enabled and c.fuse_qk_norm_rope and proof.holds:
-            from vllm_moe_graphs.integration.qk_norm_rope import install_fused_qk_norm_rope
+            from vllm_moe_graphs.integration.model.qk_norm_rope import install_fused_qk_norm_rope
 
             self.fused_attn = install_fused_qk_norm_rope(model)
         if c.enabled and c.skip_moe_padding and proof.holds:
@@ -119,14 +118,14 @@ class GraphLifecycle:
                         proof.detail)
             return
         indices = layers.layer_indices
-        kv = runner_buffers.kv_tensors(r, indices)
+        kv = buffers.kv_tensors(r, indices)
         if set(kv) != set(indices):
             logger.warning("moe_graphs: KV storage not bound: vLLM bound no KV tensor for %s",
                            sorted(set(indices) - set(kv)))
             return
         try:
             identity = self.storage.bind(kv, phase=phase, layer_indices=indices,
-                                         buffers=runner_buffers.graph_buffers(r))
+                                         buffers=buffers.graph_buffers(r))
         except ValueError as exc:  # e.g. another attention backend's layout: stock vLLM runs
             logger.warning("moe_graphs: KV storage not bound (%s phase): %s", phase.value, exc)
             return
@@ -135,8 +134,8 @@ class GraphLifecycle:
         if not (match := layers.match_storage(identity)).holds:
             self.storage.invalidate(match.detail)
         self.watch_kv(kv)
-        self.lean_replay = runner_buffers.read_metadata_in_place(r)
-        self.metadata_builders = runner_buffers.our_metadata_builders(r)
+        self.lean_replay = buffers.read_metadata_in_place(r)
+        self.metadata_builders = buffers.our_metadata_builders(r)
         logger.info("moe_graphs: KV storage bound (%s phase, %d layers, generation %d): %s",
                     phase.value, len(kv), self.storage.generation,
                     self.storage.proof().reason.value)
@@ -169,8 +168,8 @@ class GraphLifecycle:
         if self.storage.closed or not self.storage.bound:
             return
         names = self.storage.identity().layer_indices
-        proof = self.storage.revalidate(runner_buffers.kv_tensors(self._runner, names),
-                                        runner_buffers.graph_buffers(self._runner))
+        proof = self.storage.revalidate(buffers.kv_tensors(self._runner, names),
+                                        buffers.graph_buffers(self._runner))
         logger.info("moe_graphs: KV storage after %s: %s%s", event, proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
         if proof.reason is Reason.STORAGE_IDENTITY_CHANGED:
@@ -205,9 +204,9 @@ class GraphLifecycle:
             config = graph_config(c, r.max_num_reqs, r.max_model_len, r.max_num_tokens)
             self.graphs = DecodeGraphRunner(None, config, storage=self.storage,
                                             kill_switch=KillSwitch.from_env(),
-                                            decode_plan=runner_buffers.decode_split_plan(r))
+                                            decode_plan=buffers.decode_split_plan(r))
             self.graphs.set_scratch_bytes(sum(
-                t.numel() * t.element_size() for t in runner_buffers.graph_buffers(r).values()))
+                t.numel() * t.element_size() for t in buffers.graph_buffers(r).values()))
             for line in self.graphs.describe():
                 logger.info("moe_graphs: %s", line)
             if (uncovered := context_coverage(c.context_buckets, r.max_model_len)) is not None:
@@ -242,7 +241,7 @@ class GraphLifecycle:
 
     def end_step(self) -> None:
         self._step = None
-        self._plan_key(None)
+        buffers.plan_builders(self.metadata_builders, None)
         if self.logits is not None:
             self.logits.clear()
         self.publish()  # after the step: never inside a captured region
@@ -272,7 +271,7 @@ class GraphLifecycle:
         if self.graphs is None:
             return None
         if self._capturing is not None:  # precapture's dummy batch, as a real step of the key
-            self._plan_key(self._capturing)
+            buffers.plan_builders(self.metadata_builders, self._capturing)
             return key_padding(self._capturing)
         step = self._step
         if step is None:
@@ -296,12 +295,12 @@ class GraphLifecycle:
             kind, d, max_context, fast_inputs=step.fast_inputs,
             with_logits=d.padded and self._logits_for(d.key),
             lean=self.lean_replay and step.fast_inputs and d.action is Action.REPLAY)
-        self._plan_key(d.key if d.padded else None)
+        buffers.plan_builders(self.metadata_builders, d.key if d.padded else None)
         return step.plan.padding
 
     def builds_metadata(self) -> bool:
         """Whether this step needs vLLM's attention metadata. A lean replay reads the persistent
-        buffers the metadata would view (`runner_buffers.read_metadata_in_place`); the build's
+        buffers the metadata would view (`buffers.read_metadata_in_place`); the build's
         one device write (null block ids in padded rows, seq_len 0) is never read."""
         step = self._step
         return step is None or step.plan is None or not step.plan.lean
@@ -315,7 +314,7 @@ class GraphLifecycle:
             return None
         step.plan = None
         d = plan.decision
-        with self._moe_padded(d.key if d.padded else None, d.num_reqs):
+        with key_scope(self.moe_padding, d.key if d.padded else None, d.num_reqs):
             out, _ = self.graphs.run(d, self._forward_fn(args, plan.with_logits), plan.kind)
         if plan.with_logits:
             self.logits.hand_over(out, plan.decision.num_reqs)
@@ -333,7 +332,7 @@ class GraphLifecycle:
         None when the graphs are off (vLLM's own capture_model runs)."""
         if self.graphs is None:
             return None
-        from vllm_moe_graphs.integration.precapture import precapture_all
+        from vllm_moe_graphs.integration.startup.precapture import precapture_all
 
         try:
             return precapture_all(self._runner, self)
@@ -346,7 +345,7 @@ class GraphLifecycle:
         padding plans precapture's dummy batch as a real step of `key`: the uniform decode
         batch of a decode key's bucket, a key with prefill tokens' token and request buckets."""
         from vllm_moe_graphs.integration.patch import runner_model
-        from vllm_moe_graphs.integration.precapture import PrecaptureModel
+        from vllm_moe_graphs.integration.startup.precapture import PrecaptureModel
 
         try:
             with runner_model.swapped(self._runner, PrecaptureModel(self, key)) as real:
@@ -354,36 +353,18 @@ class GraphLifecycle:
                 yield
         finally:
             self._real_model, self._capturing = None, None
-            self._plan_key(None)
+            buffers.plan_builders(self.metadata_builders, None)
 
     def capture(self, key: GraphKey, args: dict[str, Any]) -> torch.Tensor:
         """Capture `key` on the inputs vLLM prepared (`args`, the model's keyword arguments);
         returns its output, or the eager forward's when the capture was denied or failed."""
-        with self._moe_padded(key, key.batch_bucket):
+        with key_scope(self.moe_padding, key, key.batch_bucket):
             result = self.graphs.precapture([key], forward=self._forward_fn(
                 args, self._logits_for(key)))[key]
         out = self.graphs.output(key) if result is Reason.ELIGIBLE else None
         return out if out is not None else self.model(**args)
 
     # -- internals -------------------------------------------------------------------------------
-    def _moe_padded(self, key: GraphKey | None,
-                    real_rows: int) -> contextlib.AbstractContextManager[None]:
-        """The MoE padding scope of a forward at `key`'s padded size with `real_rows` real rows
-        (none for vLLM's own unpadded step, `key` None, or a key that cannot pad)."""
-        pads = key is not None and key_pads(key.batch_bucket)
-        return padded_scope(self.moe_padding, real_rows if pads else None)
-
-    def _plan_key(self, key: GraphKey | None) -> None:
-        """Our metadata builders plan the next build for `key` (`plan_for`): a decode key's
-        context bucket (the decode kernel's split count), a key with prefill tokens' token
-        bucket (the varlen kernel's tile: one launch shape per graph); None: the step's own."""
-        if key is None:
-            planned = (None, None)
-        else:
-            planned = (key.context_bucket, None) if key.decode else (None, key.batch_bucket)
-        for builder in self.metadata_builders:
-            builder.plan_for(*planned)
-
     def _forward_fn(self, args: dict[str, Any], with_logits: bool) -> Any:
         """The graph runner's forward for one step: the model on vLLM's (padded) inputs."""
         ids = args.get("input_ids")
