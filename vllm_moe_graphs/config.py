@@ -44,7 +44,7 @@ class CaptureFailurePolicy(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PluginConfig:
-    """Frozen plugin settings. Defaults are documented in docs/serving.md."""
+    """Frozen plugin settings. Every key is documented in docs/configuration.md."""
 
     enabled: bool = True
     # Decode batch sizes that get their own graph; a batch pads up to the next bucket. Up to

@@ -56,7 +56,7 @@ def _parse_dir(name: str) -> str | None:
     return raw or None
 
 
-# name -> parser. Documented in docs/serving.md and README.md.
+# name -> parser. Documented in docs/operating.md and README.md.
 environment_variables: dict[str, Callable[[], Any]] = {
     # Full rollback: when true the plugin registers nothing and patches nothing, so vLLM builds the
     # exact engine config it would build without the plugin installed.

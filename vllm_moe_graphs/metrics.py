@@ -38,7 +38,7 @@ class Mode(str, enum.Enum):
     DISABLED = "disabled"  # disabled by configuration
 
 
-# name -> help; the single list of what we export (docs/serving.md mirrors it).
+# name -> help; the single list of what we export (docs/operating.md mirrors it).
 METRICS: dict[str, str] = {
     "moe_graphs_info": "vllm_moe_graphs version and mode (value 1 for the current mode)",
     "moe_graphs_capability": "1 for each reason in the current capability report "

@@ -101,7 +101,7 @@ def before_engine_config(vllm_config: VllmConfig) -> None:
     edits, conflicts = take_over_decode_graphs(vllm_config)
     if conflicts:
         logger.warning("moe_graphs: not taking CUDA graphs over because of %s; stock vLLM runs "
-                       "(drop those settings, see docs/serving.md)", ", ".join(conflicts))
+                       "(drop those settings, see docs/architecture.md, the take-over)", ", ".join(conflicts))
     else:
         logger.info("moe_graphs: CUDA graphs taken over: %s", ", ".join(edits) or
                     "already configured by flags")

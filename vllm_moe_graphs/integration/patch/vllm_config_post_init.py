@@ -5,7 +5,7 @@ V1 model runner, our attention backend, vLLM's own capture off and
 no torch.compile. Those choices must be made *before* vLLM settles the config (custom ops, IR op
 priorities and capture sizes are derived from the compilation mode inside `__post_init__`), so
 the edit runs first and vLLM derives everything else from it, exactly as if the user had passed
-the flags of the explicit route (docs/serving.md).
+the flags of the explicit route (docs/architecture.md, the take-over).
 The user's compilation choices (`-O<n>`, `-cc.mode`, `-cc.cudagraph_mode`) are readable only
 here, before vLLM derives them from the level: they are kept on the config object
 (`config_facts.USER_COMPILATION_ATTR`) for every later capability check, in every process.

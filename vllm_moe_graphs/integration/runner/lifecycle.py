@@ -197,7 +197,7 @@ class GraphLifecycle:
         vllm_graphs = own is not None and own.name != "NONE"
         if proof.holds and vllm_graphs:
             logger.warning("moe_graphs: vLLM's own CUDA graphs are on (cudagraph_mode=%s); the "
-                           "plugin's graphs stay off (see docs/serving.md)", own.name)
+                           "plugin's graphs stay off (see docs/architecture.md, the take-over)", own.name)
         report = hooks.record_capability(r.vllm_config, metrics.process_rank(), proof,
                                          graphs_on=proof.holds and not vllm_graphs)
         if self.graphs is None and report.eligible and not vllm_graphs:
