@@ -1,4 +1,4 @@
-"""Config time, on vLLM's own config code (CPU build): what the plugin refuses is left to stock vLLM.
+"""Config time, on vLLM's own config code (CPU build): what the plugin refuses stays stock vLLM.
 
 Each configuration below is built by `EngineArgs.create_engine_config`, as `vllm serve` builds
 it, with the plugin's hooks in place and the platform check answering as on a CUDA host (the

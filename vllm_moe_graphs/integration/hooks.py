@@ -47,8 +47,9 @@ def take_over_decode_graphs(vllm_config: VllmConfig) -> tuple[list[str], list[st
     Our worker (`--worker-cls`), our attention backend (`--attention-backend CUSTOM`), vLLM's own
     capture off (`-cc.cudagraph_mode=NONE`), no torch.compile (`-cc.mode=NONE`; a decode step
     replays one graph, so compile buys decode nothing and costs start-up; a user's choice of
-    either, or of an optimization level, denies the take-over: `user_compilation`), and the V1 model runner for dense Qwen3 too (`VLLM_USE_V2_MODEL_RUNNER=0`,
-    exported before any engine process starts, so every process agrees). A user choice that
+    either, or of an optimization level, denies the take-over: `user_compilation`), and the V1
+    model runner for dense Qwen3 too (`VLLM_USE_V2_MODEL_RUNNER=0`, exported before any engine
+    process starts, so every process agrees). A user choice that
     contradicts one of these is a conflict: nothing is edited and stock vLLM runs.
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -101,7 +102,8 @@ def before_engine_config(vllm_config: VllmConfig) -> None:
     edits, conflicts = take_over_decode_graphs(vllm_config)
     if conflicts:
         logger.warning("moe_graphs: not taking CUDA graphs over because of %s; stock vLLM runs "
-                       "(drop those settings, see docs/architecture.md, the take-over)", ", ".join(conflicts))
+                       "(drop those settings, see docs/architecture.md, the take-over)",
+                       ", ".join(conflicts))
     else:
         logger.info("moe_graphs: CUDA graphs taken over: %s", ", ".join(edits) or
                     "already configured by flags")
