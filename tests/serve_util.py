@@ -12,8 +12,8 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-from benchmarks.serve_server import free_port, stop_process_group
-from benchmarks.serve_server import http_get as get
+from benchmarks.serving.server import free_port, stop_process_group
+from benchmarks.serving.server import http_get as get
 from tests.gpu_util import engine_starting
 
 

@@ -22,7 +22,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool | int]] = {
 
 
 def benchmark_llm_kwargs(mode: str) -> dict:
-    """Extra `vllm.LLM` kwargs of a plugin benchmark mode (`benchmarks/modes.py`).
+    """Extra `vllm.LLM` kwargs of a plugin benchmark mode (`benchmarks/harness/modes.py`).
 
     `plugin_graphs`: the plugin takes decode graphs over (our worker, runner and attention
     backend; vLLM's capture and torch.compile off), defaults otherwise. `plugin_eager`: our

@@ -10,7 +10,7 @@
 #   KERNELS_STEPS   steps of benchmarks/gpu/kernels.sh, guard KERNELS_GUARD_S (150)
 #   DECODE_ARGS     arguments of benchmarks/gpu/run.sh (benchmarks.decode, or DECODE_MODULE, e.g.
 #                   benchmarks.startup), SKIP_PYTEST=1; keeps AFTER_DECODE_S (20) for what follows
-#   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serve; keeps
+#   SERVE_ARGS      arguments of benchmarks/gpu/run.sh with BENCH_MODULE=benchmarks.serving; keeps
 #                   AFTER_SERVE_S (0) for what follows
 #   SERVE2_ARGS     a second serving run (another shape or mode set): $OUT/serve2.tgz
 #   PLUGIN_CONFIG   JSON of moe_graphs settings for every plugin mode of both serving runs
@@ -72,7 +72,7 @@ serve() {  # serve PART ARGS KEEP_S: one serving run, leaving KEEP_S seconds for
   local extra=()
   [ -n "${PLUGIN_CONFIG:-}" ] && extra=(--plugin-config "$PLUGIN_CONFIG")
   # shellcheck disable=SC2086
-  OUT=$WORK/$1 RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serve SKIP_PYTEST=1 \
+  OUT=$WORK/$1 RUN_GUARD_S=$budget BENCH_MODULE=benchmarks.serving SKIP_PYTEST=1 \
     bash benchmarks/gpu/run.sh $2 "${extra[@]}" --time-budget-s $((budget - 15)) 2>&1 | tail -60
   keep "$1"
   say "$1 done"

@@ -15,9 +15,10 @@
 #   $OUT/worker-logs.tar.gz   one full vLLM log per model x mode, specs and raw worker results
 #   $OUT/nvidia-smi.txt       the GPU at the end
 # Knobs (environment): RUN_GUARD_S, PYTEST_GUARD_S (default 120), SKIP_PYTEST=1, BENCH_PROFILE=1
-# (also profile each mode's batches: benchmarks/profile_steps.py), BENCH_PROFILE_PREFILL=T,...
-# (also profile prefill steps of T query tokens), BENCH_STARTUP_PROFILE=1 (trace
-# each engine start: benchmarks/startup_trace.py), BENCH_PIN=N (see below), and
+# (also profile each mode's batches: benchmarks/harness/profile_steps.py),
+# BENCH_PROFILE_PREFILL=T,... (also profile prefill steps of T query tokens),
+# BENCH_STARTUP_PROFILE=1 (trace each engine start: benchmarks/harness/startup_trace.py),
+# BENCH_PIN=N (see below), and
 # BENCH_GIT_COMMIT=<sha> (recorded as env.git_commit; write the sha out: a .git the device copy
 # finds can be stale, so `git log` there is no source), and
 # BENCH_MODULE (default benchmarks.decode; benchmarks.startup runs the start-up protocol with the
@@ -59,14 +60,17 @@ if [ "${SKIP_PYTEST:-0}" != 1 ]; then
 fi
 
 LOGDIR=$(mktemp -d /tmp/decode-bench-XXXX)
-# BENCH_PROFILE=1: each mode worker also profiles its batches (benchmarks/profile_steps.py);
-# the reports land in worker-logs.tar.gz as profile-<model>-<mode>.txt.
+# BENCH_PROFILE=1: each mode worker also profiles its batches
+# (benchmarks/harness/profile_steps.py); the reports land in worker-logs.tar.gz as
+# profile-<model>-<mode>.txt.
 [ "${BENCH_PROFILE:-0}" = 1 ] && export BENCH_PROFILE_DIR=$LOGDIR
 # BENCH_PROFILE_PREFILL=T1,T2,...: each mode worker also profiles prefill steps of T query
-# tokens (benchmarks/profile_steps.py): profile-prefill-<model>-<mode>.txt in worker-logs.tar.gz.
+# tokens (benchmarks/harness/profile_steps.py): profile-prefill-<model>-<mode>.txt in
+# worker-logs.tar.gz.
 [ -n "${BENCH_PROFILE_PREFILL:-}" ] && export BENCH_PREFILL_PROFILE_DIR=$LOGDIR
-# BENCH_STARTUP_PROFILE=1: each worker traces its engine start (benchmarks/startup_trace.py):
-# startup-<model>-<mode>[-r<round>].txt in worker-logs.tar.gz.
+# BENCH_STARTUP_PROFILE=1: each worker traces its engine start
+# (benchmarks/harness/startup_trace.py): startup-<model>-<mode>[-r<round>].txt in
+# worker-logs.tar.gz.
 [ "${BENCH_STARTUP_PROFILE:-0}" = 1 ] && export BENCH_STARTUP_PROFILE_DIR=$LOGDIR
 BUDGET=$(( $(left) - 25 ))   # kept back: tar, nvidia-smi, tee
 if [ "$BUDGET" -lt 60 ]; then

@@ -3,8 +3,7 @@
 `compare` turns two runs into agreement numbers and `check` judges CUSTOM's numbers against the
 absolute thresholds or, where those fail, against a control run (TRITON_ATTN rescheduled). Both
 are pure, so they are tested here on hand-made runs and summaries, with the H200 numbers of the
-run judged by absolute thresholds alone
-(benchmarks/results/attn-backend-e2e-h200-absolute-thresholds.json) as CUSTOM's.
+run judged by absolute thresholds alone (its summary is in git history) as CUSTOM's.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ states differ in the last bits, and with random weights the logits are near-flat
 151936-token vocabulary (reference mean top-1 logprob about -7.9), so greedy decoding hits
 near-ties all the time and one flip changes every later token of that sequence. An H200 run
 judged by absolute thresholds alone
-(benchmarks/results/attn-backend-e2e-h200-absolute-thresholds.json) failed every case: 0.6B
+(its summary is in git history) failed every case: 0.6B
 dense had first-token agreement 0.984 (1.0 counting near-ties), 34% identical tokens, 61 of
 64 prompts diverged, 9 of them not at a near-tie, logprobs within
 0.032 nats; 30B-A3B had first-token agreement 0.9375 (0.953), 17% identical tokens, all 64

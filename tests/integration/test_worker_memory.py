@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm.v1.worker.gpu_worker")
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
-from benchmarks.serve_server import log_facts  # noqa: E402
+from benchmarks.serving.server import log_facts  # noqa: E402
 from vllm_moe_graphs.config import PluginConfig  # noqa: E402
 from vllm_moe_graphs.integration.worker import (  # noqa: E402
     MoeGraphsWorker,

@@ -253,7 +253,7 @@ class TestChooseConfig:
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "benchmarks.gemm_kernels", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "benchmarks.kernels.gemm", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -16,7 +16,7 @@ Start-up: before the device is initialised, the process's heap (vLLM, torch, the
 everything imported so far, no CUDA tensor yet) is frozen out of Python's cyclic GC
 (`freeze_import_heap`). vLLM runs about a dozen full `gc.collect()` calls between here and
 ready (memory snapshots, profiling, its own end-of-start-up `freeze_gc_heap`), each scanning that
-heap again: 0.25-0.3 s each, 3-3.6 s of a 7.9 s warm start on the H200 (`benchmarks/
+heap again: 0.25-0.3 s each, 3-3.6 s of a 7.9 s warm start on the H200 (`benchmarks/harness/
 startup_trace.py`). vLLM freezes the same heap when the engine is ready; this only does it
 earlier. What the freeze keeps alive is what was reachable at the freeze (one collection runs
 first); GPU memory cannot be held by it, since nothing on the device exists yet.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 # ----------------------------------------------------------------------------- tunables
-# All of these are swept by `benchmarks/attn_kernels.py --sweep`; defaults are first guesses for
+# All of these are swept by `benchmarks/kernels/attn.py --sweep`; defaults are first guesses for
 # an H200 (HBM bound: bytes in flight per SM matter more than FLOPs).
 DEFAULT_BLOCK_N = 64  # tokens gathered per loop step (4 pages at BS=16)
 DEFAULT_NUM_WARPS = 4

@@ -16,7 +16,7 @@ MAX_M = 16  # rows per call: the whole M fits one padded tile
 BLOCK_M = 16  # the padded M of every tl.dot (the smallest M tl.dot accepts)
 
 # ----------------------------------------------------------------------------- tunables
-# All swept by `benchmarks/gemm_kernels.py --sweep`; first guesses for an H200 (HBM bound: the
+# All swept by `benchmarks/kernels/gemm.py --sweep`; first guesses for an H200 (HBM bound: the
 # weight bytes in flight per SM matter, the MMA work does not).
 DEFAULT_BLOCK_N = 64
 DEFAULT_BLOCK_K = 128

@@ -110,7 +110,7 @@ def test_small_m_gemm_is_auto_by_default_and_parsed() -> None:
 
 
 @pytest.mark.parametrize(("n", "k", "picked"), [
-    # (outputs, inputs) of the real decode linears (benchmarks/gemm_kernels.py shapes)
+    # (outputs, inputs) of the real decode linears (benchmarks/kernels/gemm.py shapes)
     (1024, 2048, True), (1024, 3072, True),      # Qwen3-0.6B o_proj, down_proj
     (4096, 1024, False), (6144, 1024, False),    # Qwen3-0.6B qkv_proj, gate_up_proj
     (4096, 4096, True), (4096, 12288, True),     # Qwen3-8B o_proj, down_proj

@@ -1,8 +1,8 @@
 """Qwen3 attention with Q/K RMSNorm and RoPE in one launch (vLLM's own fused CUDA kernel).
 
-On by default (config key `fuse_qk_norm_rope`; measured with the small-M GEMM on the H200:
-`benchmarks/results/h200-experimental-qwen3-0.6b.*`, parity in
-`gpu-integration-parity-experimental-kernels.json`). Without torch.compile (the plugin's decode graphs run vLLM uncompiled), Qwen3's attention
+On by default (config key `fuse_qk_norm_rope`; measured with the small-M GEMM on the H200, the
+run in git history; parity in `benchmarks/results/gpu-tests-h200.json`,
+`parity-experimental-kernels`). Without torch.compile (the plugin's decode graphs run vLLM uncompiled), Qwen3's attention
 launches three kernels between the QKV projection and attention in every layer: q RMSNorm,
 k RMSNorm, RoPE (~170 us of a 1.5 ms Qwen3-0.6B decode step at batch 1 on an H200,
 docs/benchmarking.md). vLLM 0.26 ships `torch.ops._C.fused_qk_norm_rope`, which does all three

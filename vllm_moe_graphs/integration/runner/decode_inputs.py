@@ -4,8 +4,8 @@ vLLM's `_prepare_inputs` serves every batch shape (chunked prefill, speculative 
 M-RoPE, LoRA, context parallelism, hybrid models) and pays for it on every step: about twenty
 small device operations (copies, an index, adds, fills, the slot-mapping Triton kernel) and as
 many NumPy/CPU-tensor operations, 0.5 ms of host time per Qwen3-0.6B decode step on the H200
-host (`benchmarks/results/profiles/h200-phases-plugin_graphs-vllm-inputs.txt`). The host, not the GPU,
-bounds decode there.
+host (a `BENCH_PROFILE=1` phase profile, in git history). The host, not the GPU, bounds decode
+there.
 
 In a pure-decode step of a plain engine every request has one query token at position
 `num_computed_tokens`, so everything the step needs follows on the host from two arrays vLLM

@@ -5,7 +5,7 @@ vLLM 0.26 resolves a model's architecture (`ModelConfig` -> `ModelRegistry.inspe
 by importing the model class in a *subprocess* (to keep CUDA out of the calling process), and
 caches the result in `$VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json`, keyed by a hash of the
 model's source file. With an empty cache that subprocess imports vLLM and torch again: 15-17 s of
-a cold start on the lent H200's host (`benchmarks/results/h200-startup-trace.txt`), paid by
+a cold start on the lent H200's host (a `BENCH_STARTUP_PROFILE=1` trace, in git history), paid by
 every container start that does not keep `VLLM_CACHE_ROOT` on a volume.
 
 `model_infos.json` (beside this file) holds, for the architectures the plugin serves, what

@@ -1,0 +1,187 @@
+"""Model shapes and the physical floor of one decode step.
+
+The shapes are the config directories shipped in `vllm_moe_graphs/model_configs/<name>/`.
+`decode_step_bytes` is the byte model behind the `floor_ms` column: the bytes one decode step must
+read from HBM at the least, which divided by the measured copy bandwidth gives a lower bound on the
+time per output token.
+
+Legend: B = batch (sequences in the step), C = context (KV tokens per sequence), D = hidden,
+H / KV = query / key-value heads, d = head_dim, E = experts, k = experts per token (top-k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def shipped_config_dir(name: str) -> Path:
+    """The shipped config directory of shape `name`.
+
+    Located through the installed `vllm_moe_graphs` package when there is one (found with
+    `importlib.util.find_spec`, which does not run the package), else in this repository."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of: {', '.join(MODELS)}")
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec("vllm_moe_graphs")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [
+            Path(loc) / "model_configs" / name for loc in spec.submodule_search_locations
+        ]
+    candidates.append(REPO_ROOT / "vllm_moe_graphs" / "model_configs" / name)
+    for cand in candidates:
+        if (cand / "config.json").is_file():
+            return cand
+    raise ValueError(
+        f"no config.json for {name!r}; looked in: {', '.join(str(c) for c in candidates)}"
+    )
+
+
+def read_config(config_dir: str | Path) -> dict[str, Any]:
+    path = Path(config_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {path}: {exc}") from exc
+
+
+def prepare_config_dir(name: str, num_layers: int | None, work_dir: Path) -> tuple[Path, int]:
+    """The config directory vLLM should load for `name`, and the layer count it has.
+
+    With `num_layers`, writes `<work_dir>/configs/<name>-L<n>/config.json`: the shipped config
+    with `num_hidden_layers` (and the layer-indexed fields) cut to `num_layers`."""
+    src = shipped_config_dir(name)
+    cfg = read_config(src)
+    full = int(cfg["num_hidden_layers"])
+    if num_layers is None or num_layers == full:
+        return src, full
+    if not 1 <= num_layers <= full:
+        raise ValueError(f"--num-layers {num_layers} for {name}: expected 1..{full}")
+    cfg["num_hidden_layers"] = num_layers
+    if "max_window_layers" in cfg:
+        cfg["max_window_layers"] = min(int(cfg["max_window_layers"]), num_layers)
+    if cfg.get("mlp_only_layers"):
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:num_layers]
+    dst = work_dir / "configs" / f"{name}-L{num_layers}"
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst, num_layers
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes the byte model needs, read from a Qwen3 / Qwen3-MoE config.json."""
+
+    hidden: int  # D
+    num_layers: int
+    num_heads: int  # H
+    num_kv_heads: int  # KV
+    head_dim: int  # d
+    intermediate: int  # dense MLP width
+    vocab: int
+    num_experts: int = 0  # E (0 = dense model)
+    top_k: int = 0  # k
+    moe_intermediate: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    dtype_bytes: int = 2  # bf16 weights and KV cache
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                hidden=hidden,
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate=int(cfg["intermediate_size"]),
+                vocab=int(cfg["vocab_size"]),
+                num_experts=int(cfg.get("num_experts") or 0),
+                top_k=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate=int(cfg.get("moe_intermediate_size") or 0),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            )
+        except KeyError as exc:
+            raise ValueError(
+                f"model config lacks {exc.args[0]!r}, needed by the byte model"
+            ) from exc
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Qwen3-MoE's rule (`Qwen3MoeDecoderLayer`): experts unless listed in mlp_only_layers."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepBytes:
+    weights: int  # parameters the step must read, in bytes
+    kv: int  # KV cache the step must read, in bytes
+    experts_touched: int  # per MoE layer (0 for dense)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def decode_step_bytes(shape: ModelShape, batch: int, context: int) -> StepBytes:
+    """Least bytes one decode step of `batch` sequences with `context` KV tokens each reads.
+
+    Weights: per layer q/k/v/o projections, q/k RMSNorm and the two layer norms; the dense MLP
+    (gate, up, down) or, for a MoE layer, the router plus the experts the batch can touch,
+    min(E, B * k), each 3 * D * moe_intermediate; then the final norm, the whole LM head
+    (V x D, read in full even when tied to the embedding) and the B embedding rows looked up.
+    KV: B * C * kv_bytes_per_token (the new token's write is left out). Activations are left out.
+    """
+    if batch < 1 or context < 0:
+        raise ValueError(
+            f"batch must be >= 1 and context >= 0, got batch={batch} context={context}"
+        )
+    d_model, q_width = shape.hidden, shape.num_heads * shape.head_dim
+    kv_width = shape.num_kv_heads * shape.head_dim
+    attn = d_model * q_width + 2 * d_model * kv_width + q_width * d_model  # q, k, v, o
+    norms = 2 * shape.head_dim + 2 * d_model  # q_norm, k_norm, input + post-attention norms
+    touched = min(shape.num_experts, batch * shape.top_k) if shape.num_experts else 0
+    params = 0
+    for layer in range(shape.num_layers):
+        if shape.is_sparse_layer(layer):
+            mlp = d_model * shape.num_experts + touched * 3 * d_model * shape.moe_intermediate
+        else:
+            mlp = 3 * d_model * shape.intermediate
+        params += attn + norms + mlp
+    params += d_model  # final norm
+    params += shape.vocab * d_model  # LM head
+    params += min(batch, shape.vocab) * d_model  # embedding rows of the batch's tokens
+    kv = batch * context * shape.kv_bytes_per_token()
+    return StepBytes(weights=params * shape.dtype_bytes, kv=kv, experts_touched=touched)
+
+
+def resident_weight_bytes(shape: ModelShape) -> int:
+    """Bytes of the parameters one engine holds: every layer with all its experts, the whole
+    embedding and the LM head (counted apart even when tied: an upper bound)."""
+    return decode_step_bytes(shape, batch=shape.vocab, context=0).weights
+
+
+def floor_ms(step_bytes: int, bandwidth_gbps: float | None) -> float | None:
+    """Time to stream `step_bytes` at `bandwidth_gbps` (GB/s, 1e9 bytes), in milliseconds."""
+    if not bandwidth_gbps or bandwidth_gbps <= 0:
+        return None
+    return step_bytes / (bandwidth_gbps * 1e9) * 1e3

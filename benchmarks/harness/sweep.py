@@ -1,0 +1,572 @@
+"""The sweep behind `benchmarks.decode`: plan the workers, run them one by one within the time
+budget, and describe the environment. No torch, no vLLM here: those live in the worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import glob
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from benchmarks.harness.modes import MODES, Mode, common_llm_kwargs, parse_modes
+from benchmarks.harness.protocol import (
+    DONE,
+    READY,
+    SLACK_STEPS,
+    WorkerResult,
+    WorkerSpec,
+    result_from_json,
+    spec_to_json,
+    write_json_atomic,
+)
+from benchmarks.harness.shapes import (REPO_ROOT, ModelShape, prepare_config_dir, read_config,
+                               resident_weight_bytes)
+
+RESERVE_S = 15.0  # kept back from --time-budget-s for writing the JSON, plot and table
+KILL_GRACE_S = 5.0
+MIN_MEASURE_S = 10.0  # a mode starts only if its start-up estimate plus this fits the budget
+
+
+def torch_cuda_problem(script: str) -> str | None:
+    """Why the kernel benchmark `script` cannot run here (torch missing, no CUDA device), or
+    None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{script} needs torch: {exc}"
+    if not torch.cuda.is_available():
+        return (f"{script} is a GPU benchmark: no CUDA device is visible "
+                "(torch.cuda.is_available() is False). Run it on the H200.")
+    return None
+
+
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output for `args` (no CUDA init), or None where it is absent or fails."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def gpu_problem() -> str | None:
+    """Why no NVIDIA GPU is usable here, or None. Cheap: no torch, no vLLM, no CUDA init."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/proc/driver/nvidia/version"):
+        return None
+    if "GPU" in (nvidia_smi("-L") or ""):
+        return None
+    return "no NVIDIA GPU found (no /dev/nvidia*, no /proc/driver/nvidia, no working nvidia-smi)"
+
+
+def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: int) -> int:
+    """Longest prompt + timed and warm-up steps + the decode tokens early requests get while the
+    batch is still prefilling (chunks of >= 8192 tokens) + margin, rounded up to 16."""
+    prefill_steps = math.ceil(max(batches) * max(contexts) / 8192) + 1
+    need = max(contexts) + warmup + decode + prefill_steps + SLACK_STEPS + 16
+    return -(-need // 16) * 16
+
+
+INTERLEAVE_GPU_MEMORY_UTILIZATION = 0.05  # only vLLM's start-up check reads it then
+KV_HEADROOM = 1.25  # block rounding and the async-scheduling slack
+INTERLEAVE_ENGINE_SLACK = 3 * 2**30  # an engine's CUDA context, activations and graph pool
+
+
+def interleave_overflow(model: str, shape: ModelShape, kv_bytes: int, engines: int,
+                        gpu_bytes: int) -> str | None:
+    """Why `engines` engines of `model`, all up at once under `--interleave`, cannot fit a GPU
+    of `gpu_bytes`, or None."""
+    weights = resident_weight_bytes(shape)
+    each = weights + kv_bytes + INTERLEAVE_ENGINE_SLACK
+    fit = int(gpu_bytes // each)
+    if engines <= fit:
+        return None
+    gib = 2**30
+    return (f"--interleave keeps {engines} engines of {model} up at once, each about "
+            f"{each / gib:.1f} GiB (weights {weights / gib:.1f}, KV {kv_bytes / gib:.1f}, "
+            f"slack {INTERLEAVE_ENGINE_SLACK / gib:.0f}): {engines * each / gib:.0f} GiB, and "
+            f"this GPU has {gpu_bytes / gib:.0f} GiB. Pass at most {fit} mode(s) per run "
+            f"(several runs), or cut the model with --num-layers")
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the first visible GPU from nvidia-smi (no CUDA init), or None."""
+    out = nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
+    try:
+        return int(out.split()[0]) * 2**20 if out else None
+    except (ValueError, IndexError):
+        return None
+
+
+def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:
+    """KV cache bytes for `max_batch` sequences of `max_len` tokens, with headroom, rounded up
+    to 256 MiB."""
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+    need = per_token * max_batch * max_len * KV_HEADROOM
+    step = 256 * 2**20
+    return int(-(-need // step) * step)
+
+
+def plan(
+    args: argparse.Namespace, work_dir: Path
+) -> tuple[list[WorkerSpec], dict[str, str], dict[str, int], dict[str, ModelShape]]:
+    modes = parse_modes(args.modes)
+    absent = {m.name: m.available().text() for m in modes if not m.available().ok}
+    runnable: list[Mode] = [m for m in modes if m.name not in absent]
+    specs, layers, shapes, configs = [], {}, {}, {}
+    mml = max_model_len(args.contexts, args.batches, args.decode_tokens, args.warmup_steps)
+    for model in args.models:
+        config_dir, layers[model] = prepare_config_dir(model, args.num_layers, work_dir)
+        cfg = read_config(config_dir)
+        shapes[model] = ModelShape.from_config(cfg)
+        configs[model] = (config_dir, cfg)
+    interleave = getattr(args, "interleave", False)
+    for rnd in range(args.rounds):
+        # Odd rounds run the modes in reverse order, so that no mode always goes first (cold
+        # machine) or last; every round starts fresh engines, so each mode samples the host at
+        # several moments (this VM's vCPU speed shifts over tens of seconds).
+        for model in args.models:
+            config_dir, cfg = configs[model]
+            common = common_llm_kwargs(
+                config_dir=str(config_dir),
+                max_num_seqs=max(args.batches),
+                max_model_len=mml,
+                seed=args.seed,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+            )
+            if interleave:
+                # Every mode's engine stays up at once: a fixed KV cache each, sized for the
+                # plan, instead of a share of the GPU (vLLM's profiling accounting assumes no
+                # other process on the GPU; with kv_cache_memory_bytes it is skipped).
+                common.update(gpu_memory_utilization=INTERLEAVE_GPU_MEMORY_UTILIZATION,
+                              kv_cache_memory_bytes=interleave_kv_bytes(
+                                  shapes[model], max(args.batches), mml))
+            suffix = f"-r{rnd}" if rnd else ""
+            for mode in runnable if rnd % 2 == 0 else runnable[::-1]:
+                specs.append(
+                    WorkerSpec(
+                        model=model,
+                        config_dir=str(config_dir),
+                        mode=mode.name,
+                        llm_kwargs=mode.llm_kwargs(common),
+                        env=mode.worker_env(),
+                        batches=args.batches,
+                        contexts=args.contexts,
+                        repeats=args.repeats,
+                        decode_tokens=args.decode_tokens,
+                        warmup_steps=args.warmup_steps,
+                        vocab_size=int(cfg["vocab_size"]),
+                        seed=args.seed,
+                        result_path=str(work_dir / f"result-{model}-{mode.name}{suffix}.json"),
+                        round=rnd,
+                        interleaved=interleave,
+                    )
+                )
+    return specs, absent, layers, shapes
+
+
+def _pump(stream: TextIO, log: TextIO, control: queue.Queue[str] | None = None) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if line.startswith("[bench]"):
+            print("  " + line.rstrip(), flush=True)
+        elif control is not None and line.startswith((READY, DONE)):
+            control.put(line.rstrip())
+    if control is not None:
+        control.put(EXITED)
+
+
+EXITED = "[exited]"  # put by the pump when the worker's stdout ends
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> None:
+    """End the worker's process group (the worker and whatever it started), if anything is left.
+
+    The group id is the worker's pid (start_new_session=True), so only processes it started."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if sig is signal.SIGTERM:
+            time.sleep(0.5)  # give the rest of the group its moment before SIGKILL
+
+
+class _Worker:
+    """One started mode worker: its process, log, output pump and (interleaved) control lines."""
+
+    module = "benchmarks.harness.mode_worker"  # what `python -m` runs (tests put a stand-in here)
+
+    def __init__(self, spec: WorkerSpec, work_dir: Path, interactive: bool = False,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.spec = spec
+        stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
+        spec_path, self.log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
+        write_json_atomic(spec_path, spec_to_json(spec))
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                            if p)
+        self.t0 = time.monotonic()
+        self.control: queue.Queue[str] | None = queue.Queue() if interactive else None
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, str(spec_path), *extra_args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.PIPE if interactive else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: compile helpers die with it
+        )
+        assert self.proc.stdout is not None, "Popen with stdout=PIPE has a stdout"
+        self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log, self.control),
+                                     daemon=True)
+        self.pump.start()
+        self.killed = False
+        self.error: str | None = None  # a run-level error found while it ran
+
+    def wait_line(self, timeout_s: float) -> str | None:
+        """The next control line (READY / DONE ... / EXITED); None after `timeout_s`."""
+        assert self.control is not None, "not an interleaved worker"
+        try:
+            return self.control.get(timeout=max(0.1, timeout_s))
+        except queue.Empty:
+            return None
+
+    def send(self, line: str) -> bool:
+        try:
+            assert self.proc.stdin is not None, "not an interleaved worker"
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def finish(self, timeout_s: float) -> tuple[WorkerResult, str | None]:
+        """Wait up to `timeout_s` for the worker to exit (then kill it); its result and a
+        run-level error."""
+        try:
+            self.proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            self.killed = True
+        finally:  # also on KeyboardInterrupt: never leave a worker behind
+            _stop_group(self.proc)
+        self.pump.join(timeout=5)
+        self.log.close()
+        elapsed = time.monotonic() - self.t0
+        spec = self.spec
+        try:
+            result = result_from_json(json.loads(Path(spec.result_path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            result = WorkerResult(
+                model=spec.model, mode=spec.mode, status="failed", error=f"no result file ({exc})"
+            )
+        error = self.error
+        if error is None and self.killed:
+            error = (
+                f"killed at its time limit after {elapsed:.0f} s (worker status was "
+                f"{result.status!r}); points measured before are kept"
+            )
+        elif error is None and result.status in ("starting", "running"):
+            error = (f"worker exited with code {self.proc.returncode} before finishing (status "
+                     f"{result.status!r})")
+        elif error is None and result.status == "failed":
+            error = result.error or "failed"
+        if error:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-25:]
+            print(f"  worker log tail ({self.log_path}):\n    " + "\n    ".join(tail), flush=True)
+        return result, error
+
+
+def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float,
+               extra_args: tuple[str, ...] = ()) -> tuple[WorkerResult, str | None]:
+    """Run one worker to completion or `limit_s`; returns its result and a run-level error.
+    `extra_args` go to the worker's command line (e.g. `--allow-cpu`)."""
+    return _Worker(spec, work_dir, extra_args=extra_args).finish(limit_s)
+
+
+def environment(
+    args: argparse.Namespace,
+    results: list[WorkerResult],
+    layers: dict[str, int],
+    bandwidths: list[float],
+) -> dict[str, Any]:
+    versions = next((r.versions for r in results if r.versions), {})
+
+    def version(pkg: str) -> str:
+        if pkg in versions:
+            return versions[pkg]
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    gpu, driver = versions.get("gpu", "unknown"), "unknown"
+    out = nvidia_smi("--query-gpu=name,driver_version", "--format=csv,noheader")
+    if out and out.strip():
+        try:
+            gpu, driver = (s.strip() for s in out.splitlines()[0].split(",", 1))
+        except ValueError:
+            pass
+    return {
+        "gpu_name": gpu,
+        "driver": driver,
+        "cuda": versions.get("cuda", "unknown"),
+        "torch": version("torch"),
+        "vllm": version("vllm"),
+        "triton": version("triton"),
+        "python": versions.get("python", platform.python_version()),
+        "git_commit": _git_commit(),
+        "source_digest": source_digest(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "layers": layers,
+        "hbm_bandwidth_gbps": round(statistics.median(bandwidths), 1) if bandwidths else None,
+        "hbm_bandwidth_samples_gbps": [round(b, 1) for b in bandwidths],
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+
+
+def _git_commit() -> str:
+    """$BENCH_GIT_COMMIT when set (pass it in the device command: the device copy of the repo
+    has no .git of its own, and one it finds can be stale), else HEAD (+dirty), else
+    "unknown"."""
+    given = os.environ.get("BENCH_GIT_COMMIT", "").strip()
+    if given:
+        return f"{given} (from BENCH_GIT_COMMIT)"
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "unknown (no git checkout here)"
+
+
+def source_digest() -> str:
+    """sha256 (16 hex) of the Python sources of vllm_moe_graphs/ and benchmarks/: names the code
+    that ran even where there is no git."""
+    digest = hashlib.sha256()
+    for path in sorted(REPO_ROOT.glob("vllm_moe_graphs/**/*.py")) + sorted(
+        REPO_ROOT.glob("benchmarks/*.py")
+    ):
+        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def deadlines(
+    now: float, t_end: float, mode: Mode, later: list[Mode]
+) -> tuple[float, float, float] | str:
+    """(hard, first_pass, soft) deadlines of a worker started `now`, or why it must not start.
+
+    soft: its weighted share of what is left (start-up + measuring, see Mode.budget_weight) ends
+    repeats 2 and up; first_pass: repeat 1 may run until only the later modes' start-up estimates
+    remain; hard: the run's end (the worker always tries one point before it)."""
+    left = t_end - now
+    if left < mode.startup_estimate_s + MIN_MEASURE_S:
+        return (
+            f"time budget: {left:.0f} s left < start-up estimate {mode.startup_estimate_s:.0f} s "
+            f"+ {MIN_MEASURE_S:.0f} s"
+        )
+    weights = [m.budget_weight for m in [mode, *later]]
+    soft = now + left * weights[0] / sum(weights)
+    first_pass = max(soft, t_end - sum(m.startup_estimate_s for m in later))
+    return t_end, first_pass, soft
+
+
+def execute(
+    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
+) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run every worker in order; returns (results, failures, skipped)."""
+    results: list[WorkerResult] = []
+    failures: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i, spec in enumerate(specs):
+        now = time.time()
+        later = specs[i + 1 :]
+        if t_end is not None:
+            budget = deadlines(now, t_end, MODES[spec.mode], [MODES[s.mode] for s in later])
+            if isinstance(budget, str):
+                print(f"[decode] skip {spec.model} {spec.mode}: {budget}", flush=True)
+                skipped.append(
+                    {"model": spec.model, "mode": spec.mode, "points": "all", "reason": budget}
+                )
+                continue
+            spec.hard_deadline, spec.first_pass_deadline, spec.soft_deadline = budget
+        limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now + KILL_GRACE_S)
+        left_txt = "" if t_end is None else f", {t_end - now:.0f} s of budget left"
+        rnd = f" round {spec.round + 1}" if spec.round else ""
+        print(f"[decode] {i + 1}/{len(specs)} {spec.model} {spec.mode}{rnd}{left_txt}",
+              flush=True)
+        result, error = run_worker(spec, work_dir, limit)
+        results.append(result)
+        if error:
+            failures.append(
+                {
+                    "model": spec.model,
+                    "mode": spec.mode,
+                    "error": error,
+                    "log": str(work_dir / f"log-{spec.model}-{spec.mode}.txt"),
+                }
+            )
+        for p in result.points:
+            if p.error:
+                failures.append(
+                    {
+                        "model": spec.model,
+                        "mode": spec.mode,
+                        "batch": p.batch,
+                        "context": p.context,
+                        "error": p.error,
+                    }
+                )
+        skipped += [{"model": spec.model, "mode": spec.mode, **s} for s in result.skipped]
+        print(
+            f"[decode] {spec.model} {spec.mode}: {result.status}, "
+            f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured",
+            flush=True,
+        )
+    return results, failures, skipped
+
+
+def rotation(items: list[Any], k: int) -> list[Any]:
+    """`items` rotated left by k: pass k of an interleaved run starts with a different mode."""
+    if not items:
+        return []
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def _measure_in_turns(workers: list[_Worker], specs: list[WorkerSpec], t_end: float | None,
+                      cut: dict[tuple[str, int, int], int]) -> None:
+    """The measuring passes of `execute_interleaved`: a warm-up pass, then the repeats; within a
+    pass point by point, every live worker in turn, the first one rotating. Passes the budget
+    cannot hold are counted into `cut`."""
+    points = specs[0].points() if specs else []
+    durations: dict[tuple[int, int], float] = {}
+    passes = [-1, *range(max((s.repeats for s in specs), default=0))]
+    for n, rep in enumerate(passes):
+        for j, (batch, context) in enumerate(points):
+            live = [w for w in workers if w.error is None]
+            if not live:
+                return
+            est = durations.get((batch, context), 5.0 * len(live))
+            if t_end is not None and time.time() + est > t_end:
+                for w in live if rep >= 0 else ():
+                    key = (w.spec.mode, batch, context)
+                    cut[key] = cut.get(key, 0) + 1
+                continue
+            order = rotation(live, n + j)
+            what = "warm-up" if rep < 0 else f"repeat {rep + 1}"
+            print(f"[decode] {what} b={batch} c={context}: "
+                  f"{', '.join(w.spec.mode for w in order)}", flush=True)
+            t0 = time.monotonic()
+            for w in order:
+                limit = max(60.0, 10 * est)
+                if t_end is not None:
+                    limit = min(limit, t_end - time.time() + KILL_GRACE_S)
+                if not w.send(f"point {batch} {context} {rep}"):
+                    w.error = "worker closed its input (it exited)"
+                    continue
+                line = w.wait_line(limit)
+                if line is None or line == EXITED:
+                    w.error = (f"no answer to point b={batch} c={context} within {limit:.0f} s"
+                               if line is None else "worker exited while measuring")
+                    _stop_group(w.proc)  # a hung worker must not run next to the others
+            durations[(batch, context)] = time.monotonic() - t0
+
+
+def execute_interleaved(
+    specs: list[WorkerSpec], work_dir: Path, t_end: float | None, mode_timeout_s: float
+) -> tuple[list[WorkerResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """`--interleave`: start every worker's engine (one after the other, so start-ups and
+    vLLM's memory profiling never overlap), then measure point by point with the modes taking
+    turns: for each repeat (after one untimed warm-up pass) and each point, every mode runs that
+    repeat back to back, the first mode rotating. A host whose speed drifts over tens of seconds
+    then shifts every mode alike. Stops starting passes when the budget cannot hold one.
+    Returns (results, failures, skipped) like `execute`."""
+    started: list[_Worker] = []  # every worker ever started: all are finished, come what may
+    done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
+    skipped: list[dict[str, Any]] = []
+    cut: dict[tuple[str, int, int], int] = {}  # (mode, batch, context) -> repeats cut by budget
+    try:
+        for i, spec in enumerate(specs):
+            now = time.time()
+            need = MODES[spec.mode].startup_estimate_s + MIN_MEASURE_S
+            if t_end is not None and t_end - now < need:
+                why = f"time budget: {t_end - now:.0f} s left < start-up estimate {need:.0f} s"
+                print(f"[decode] skip {spec.model} {spec.mode}: {why}", flush=True)
+                skipped.append({"model": spec.model, "mode": spec.mode, "points": "all",
+                                "reason": why})
+                continue
+            limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now)
+            print(f"[decode] start {i + 1}/{len(specs)} {spec.model} {spec.mode}", flush=True)
+            worker = _Worker(spec, work_dir, interactive=True)
+            started.append(worker)
+            line = worker.wait_line(limit)
+            if line != READY:  # ended now: a hung start must not hold the GPU while others run
+                worker.error = ("engine never became ready" if line is None
+                                else "worker exited before its engine was ready")
+                started.remove(worker)
+                done.append((spec, *worker.finish(KILL_GRACE_S)))
+        _measure_in_turns(started, specs, t_end, cut)
+    finally:
+        for w in started:
+            if w.error is None:
+                w.send("quit")
+            done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+    model = specs[0].model if specs else ""
+    skipped += [{"model": model, "mode": m, "batch": b, "context": c, "repeats_skipped": n,
+                 "reason": "time budget"} for (m, b, c), n in cut.items()]
+
+    results: list[WorkerResult] = []
+    failures: list[dict[str, Any]] = []
+    for spec, result, error in done:
+        results.append(result)
+        if error:
+            failures.append({"model": spec.model, "mode": spec.mode, "error": error,
+                             "log": str(work_dir / f"log-{spec.model}-{spec.mode}.txt")})
+        failures += [{"model": spec.model, "mode": spec.mode, "batch": p.batch,
+                      "context": p.context, "error": p.error} for p in result.points if p.error]
+        print(f"[decode] {spec.model} {spec.mode}: {result.status}, "
+              f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured", flush=True)
+    return results, failures, skipped
