@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def require_cuda_and_vllm() -> None:
     """Skip unless a CUDA GPU and vLLM are present."""
@@ -20,6 +22,18 @@ def require_cuda_and_vllm() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm")
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment of a test engine's interpreter: this one's without the plugin's own
+    variables (a test sets those it means), vLLM offline and quiet, the engine core in that
+    interpreter (a test reaches it, and patches made there apply), then `extra`, and the
+    repository first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", **extra)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def engine_memory_kwargs(gpu_memory_utilization: float) -> dict:

@@ -24,10 +24,9 @@ import subprocess
 import sys
 import time
 
-from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, shape_dir
+from tests.gpu_util import engine_env, engine_memory_kwargs, engine_timeout_s, shape_dir
 from tests.serve_util import metric_sum
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_LAYERS = 4
 NUM_PROMPTS, MAX_TOKENS = 64, 256
 PARITY_BATCHES = (1, 8, 32, 64)
@@ -325,12 +324,8 @@ def run_engine(tmp_path, name: str, llm_kwargs: dict, prompts, phases, *, redraw
     out = tmp_path / f"{name}.json"
     spec = {"llm_kwargs": llm_kwargs, "prompts": prompts, "phases": phases, "redraw": redraw,
             "max_tokens": max_tokens, "out": str(out), **spec_extra}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
     # engine in this interpreter: the capture-failure injection patches it, sleep/wake is local
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env = engine_env(MOE_GRAPHS_KILL_FILE=str(tmp_path / f"{name}.kill"), **(env_extra or {}))
     t0 = time.perf_counter()
     log = tmp_path / f"{name}.log"
     # NOTE: streamed to the file (not captured): a run cut short by a time guard leaves its log,

@@ -13,14 +13,13 @@ what stock reported while generating (its decode path) against what its scoring 
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.gpu_util import REPO, engine_env
 
 # Bounds against stock's own floor (the plugin's |difference| mean and max over stock's), and
 # the largest logprob gap of a token the plugin chose that stock does not rank first.
@@ -41,12 +40,7 @@ def run(tmp_path, name: str, spec: dict, *, plugin: bool, timeout_s: float) -> d
     out = tmp_path / f"{name}.json"
     spec_file = tmp_path / f"{name}.spec.json"
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if not plugin:
-        env["MOE_GRAPHS_DISABLE"] = "1"
+    env = engine_env(**({} if plugin else {"MOE_GRAPHS_DISABLE": "1"}))
     log = tmp_path / f"{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:

@@ -12,14 +12,19 @@ Data parallelism with an MoE model needs two GPUs: its refusal is checked at con
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.gpu_util import engine_memory_kwargs, engine_timeout_s, require_cuda_and_vllm
-from tests.graphs.engine_harness import REPO, metric, report
+from tests.gpu_util import (
+    REPO,
+    engine_env,
+    engine_memory_kwargs,
+    engine_timeout_s,
+    require_cuda_and_vllm,
+)
+from tests.graphs.engine_harness import metric, report
 
 pytestmark = pytest.mark.gpu
 
@@ -83,11 +88,8 @@ def test_refused_configuration_serves_with_stock_vllm(case, tiny_dir, tmp_path):
         "model": str(model), "dtype": "bfloat16", "seed": 0, "max_model_len": 256,
         "max_num_seqs": 16, **engine_memory_kwargs(0.1), **llm_extra}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_GRAPHS_")}
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _ENGINE, str(tmp_path / "spec.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True,
+                          cwd=REPO, env=engine_env(), capture_output=True, text=True,
                           timeout=engine_timeout_s(300))
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
