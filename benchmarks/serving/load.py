@@ -125,13 +125,14 @@ def plan_window(workload: Workload, rate: float, duration_s: float, min_requests
                 seed: int, vocab_size: int) -> list[Request]:
     """The requests of one window: max(min_requests, rate * duration_s) Poisson arrivals.
 
-    Deterministic in (seed, workload, rate): every mode is offered the same requests."""
+    Deterministic in (seed, workload, rate): every mode is offered the same requests, however
+    its rate was spelled (`2`, `2.0`)."""
     if rate <= 0 or duration_s <= 0 or min_requests < 1:
         raise ValueError(f"rate, duration and min_requests must be positive, got rate={rate} "
                          f"duration_s={duration_s} min_requests={min_requests}")
     if vocab_size < 8:
         raise ValueError(f"vocab_size {vocab_size} too small for random prompts")
-    rng = random.Random(f"{seed}/{workload.name}/{rate!r}")
+    rng = random.Random(f"{seed}/{workload.name}/{float(rate):g}")
     ids = range(min(TOKEN_ID_FLOOR, vocab_size // 4), vocab_size)
     n = window_requests(rate, duration_s, min_requests)
     out, t = [], 0.0

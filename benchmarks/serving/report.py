@@ -286,8 +286,9 @@ def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
 def merge(paths: list[str], name: str, results_dir: Path) -> int:
     """Rows of later files win on the same mode/workload/rate; ratios etc. are recomputed. Each
     row keeps the name of the file it was measured in (`run`), and the ratios between rows of
-    two runs are listed under `ratios_across_runs`. `env.merged_from` lists the input files, or
-    for an input that was merged itself the files it lists."""
+    two runs are listed under `ratios_across_runs`. `env.merged_from` lists the input files
+    with each run's date, commit and options, or for an input that was merged itself the runs
+    it lists."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     for p, d in zip(paths, docs):
         check_schema(d)
@@ -306,7 +307,8 @@ def merge(paths: list[str], name: str, results_dir: Path) -> int:
     sources = [src for p, d in zip(paths, docs)
                for src in d["env"].get("merged_from") or [
                    {"file": Path(p).name, "date": d["env"].get("date"),
-                    "git_commit": d["env"].get("git_commit")}]]
+                    "git_commit": d["env"].get("git_commit"),
+                    "options": d["env"].get("options")}]]
     env = {**docs[-1]["env"],
            "merged_from": [src for i, src in enumerate(sources) if src not in sources[:i]]}
     # a point skipped in one run and measured in another is no longer skipped

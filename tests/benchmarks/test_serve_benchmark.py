@@ -42,6 +42,9 @@ def test_window_is_seeded_per_workload_and_rate():
     assert a[0].prompt != plan_window(chat, 32, 10, 24, seed=0, vocab_size=151936)[0].prompt
     assert len(a) == 160
     assert len(plan_window(chat, 0.5, 10, 24, seed=0, vocab_size=151936)) == 24  # the floor
+    # a mode whose rates are spelled otherwise is offered the same requests
+    assert plan_window(chat, 2, 10, 24, seed=0, vocab_size=151936) == plan_window(
+        chat, 2.0, 10, 24, seed=0, vocab_size=151936)
 
 
 def test_window_lengths_ids_and_arrivals():
@@ -592,11 +595,13 @@ def test_result_schema_and_table():
 def test_merge_keeps_each_rows_run_and_lists_ratios_across_runs(tmp_path, capsys):
     env = {"gpu_name": "x"}
     section = serve_report.workloads_section([(WORKLOADS["chat"], [4, 16])])
-    a = serve_report.assemble("a", "m", env, section, {"plugin": {}, "stock": {}},
+    a = serve_report.assemble("a", "m", {**env, "options": {"duration_s": 8.0}}, section,
+                              {"plugin": {}, "stock": {}},
                               [_row("plugin", 16, 40.0, 2.0, 3000.0),
                                _row("stock", 16, 50.0, 2.5, 2900.0),
                                _row("stock", 4, 20.0, 2.0, 800.0)], [])
-    b = serve_report.assemble("b", "m", env, section, {"plugin": {}, "stock_triton": {}},
+    b = serve_report.assemble("b", "m", {**env, "options": {"duration_s": 16.0}}, section,
+                              {"plugin": {}, "stock_triton": {}},
                               [_row("plugin", 4, 10.0, 1.0, 810.0),
                                _row("stock_triton", 16, 60.0, 3.0, 2800.0)], [])
     pa, pb = serve_report.write(a, tmp_path), serve_report.write(b, tmp_path)
@@ -620,6 +625,9 @@ def test_merge_keeps_each_rows_run_and_lists_ratios_across_runs(tmp_path, capsys
     again = json.loads((tmp_path / "ab2.json").read_text())
     assert again["ratios_across_runs"] == across
     assert [src["file"] for src in again["env"]["merged_from"]] == ["a.json", "b.json"]
+    # every run's options, not only the last one's
+    assert [src["options"] for src in again["env"]["merged_from"]] == [
+        {"duration_s": 8.0}, {"duration_s": 16.0}]
 
 
 def test_merge_drops_a_skipped_point_that_another_run_measured(tmp_path):
