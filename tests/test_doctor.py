@@ -124,6 +124,8 @@ def test_sliding_window_checkpoint(capsys, tmp_path):
     hf.update(use_sliding_window=False)  # transformers drops the window then
     code, out = _run(capsys, _config_dir(tmp_path, hf))
     assert _reasons(out) == ["no_cuda"], out
+    code, out = _run(capsys, _config_dir(tmp_path, hf), "--disable-sliding-window")
+    assert "decode graphs cover every context up to max_model_len 40960" in out  # no cap
 
 
 def test_quantized_checkpoint(capsys, tmp_path):

@@ -213,8 +213,8 @@ class ConfigFacts:
     runner_type: str = "generate"  # vLLM's runner: "generate" or "pooling"
     data_parallel_size: int = 1
     is_moe: bool = False  # the model has MoE layers (its data-parallel ranks step together)
-    # compilation settings the user chose that the plugin's take-over would override ("-O3",
-    # "cudagraph_mode FULL_DECODE_ONLY", ...); "" when none
+    # compilation settings the user chose that the plugin's take-over would override, spelled
+    # as flags ("-O3", "-cc.cudagraph_mode=FULL_DECODE_ONLY", ...); "" when none
     user_compilation: str = ""
 
 

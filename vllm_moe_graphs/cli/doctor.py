@@ -219,7 +219,8 @@ def _max_model_len(given: str | None, hf: dict, sliding_window_off: bool) -> int
 
         return parse_max_model_len(given)
     derived = int(hf.get("max_position_embeddings") or 0)
-    window = int(hf.get("sliding_window") or 0)
+    # transformers keeps a Qwen3 config's window only with use_sliding_window
+    window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
     if sliding_window_off and 0 < window < derived:
         return window
     return derived
