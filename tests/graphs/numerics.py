@@ -62,23 +62,31 @@ def _diffs(reported: list[list[float]], scored: list[list[list]]) -> list[float]
             for lp, row in zip(seq_lp, seq_rows, strict=True)]
 
 
+def _not_top1(tokens: list[list[int]], scored: list[list[list]]) -> list[float]:
+    """The scoring pass's top-1 logprob minus the token's, for every generated token that pass
+    does not rank first."""
+    return [row[1] - row[0] for seq, rows in zip(tokens, scored, strict=True)
+            for tok, row in zip(seq, rows, strict=True) if row[2] != tok]
+
+
 def compare(plugin: dict, stock: dict) -> dict:
     """The numbers of one shape. `plugin` and `stock` are the engines' results: `tokens` and
     `logprobs` (each generated sequence, the logprob each engine reported for its own token),
     and stock's `scores` of `plugin_tokens` and `stock_tokens` ([logprob of the token, logprob
-    of stock's top-1, stock's top-1 token] per generated position)."""
+    of stock's top-1, stock's top-1 token] per generated position). The `floor_` numbers are
+stock's own: its greedy tokens (its decode path) against its scoring pass (its prefill path)."""
     ours = _diffs(plugin["logprobs"], stock["scores"]["plugin_tokens"])
     floor = _diffs(stock["logprobs"], stock["scores"]["stock_tokens"])
-    not_top1 = [(row[1] - row[0]) for seq, rows in zip(plugin["tokens"],
-                                                      stock["scores"]["plugin_tokens"],
-                                                      strict=True)
-                for tok, row in zip(seq, rows, strict=True) if row[2] != tok]
+    not_top1 = _not_top1(plugin["tokens"], stock["scores"]["plugin_tokens"])
+    floor_not_top1 = _not_top1(stock["tokens"], stock["scores"]["stock_tokens"])
     same = sum(a == b for a, b in zip(plugin["tokens"], stock["tokens"], strict=True))
     return {
         "tokens": len(ours),
         "plugin_mean": statistics.fmean(ours), "plugin_max": max(ours),
         "floor_mean": statistics.fmean(floor), "floor_max": max(floor),
         "not_top1": len(not_top1), "worst_top1_gap": max(not_top1, default=0.0),
+        "floor_not_top1": len(floor_not_top1),
+        "floor_worst_top1_gap": max(floor_not_top1, default=0.0),
         "identical_sequences": same, "sequences": len(plugin["tokens"]),
         "mean_top1_logprob": statistics.fmean(
             row[1] for rows in stock["scores"]["stock_tokens"] for row in rows),
