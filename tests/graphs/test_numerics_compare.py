@@ -30,6 +30,7 @@ def test_above_the_floor_and_a_far_second_choice_fail():
                              [[-1.0, -2.0]], [[[-1.01, -1.01, 5], [-2.01, -2.01, 5]]])
     s = numerics.compare(plugin, stock)
     assert s["not_top1"] == 1 and s["worst_top1_gap"] == pytest.approx(0.5)
+    assert s["floor_not_top1"] == 0 and s["floor_worst_top1_gap"] == 0.0
     bad = numerics.check(s)
     assert len(bad) == 3, bad  # mean, largest, top-1 gap
 
@@ -37,3 +38,11 @@ def test_above_the_floor_and_a_far_second_choice_fail():
 def test_flat_logits_prove_nothing():
     plugin, stock = _results([[-11.9]], [[[-11.9, -11.9, 5]]], [[-11.9]], [[[-11.9, -11.9, 5]]])
     assert any("flat logits" in b for b in numerics.check(numerics.compare(plugin, stock)))
+
+
+def test_stocks_own_tokens_not_ranked_first_by_its_scoring_are_its_floor():
+    # stock's decode chose token 5 where its scoring pass ranks token 9 first, 0.2 nats above
+    plugin, stock = _results([[-1.0]], [[[-1.0, -1.0, 5]]], [[-1.0]], [[[-1.1, -0.9, 9]]])
+    s = numerics.compare(plugin, stock)
+    assert s["not_top1"] == 0
+    assert s["floor_not_top1"] == 1 and s["floor_worst_top1_gap"] == pytest.approx(0.2)
