@@ -3,7 +3,8 @@ internals (a port to a newer vLLM changes only it); `cli/` uses vLLM's public AP
 kernels, KV storage, graph runner, capability, config and metrics import no vLLM at all; only
 `integration/patch/` rebinds attributes. Inside integration/, each room imports only the rooms
 its `__init__` names, nothing on the step path imports `startup/`, and an `__init__` imports
-nothing; no module passes 400 lines, no room of integration/ 1,500 (STYLE.md habits 1, 14).
+nothing; no module of the package or of benchmarks/ passes 400 lines, no room of integration/
+1,500 (STYLE.md habits 1, 14).
 No import circle: tests/test_import_cycles.py."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from tests.import_graph import import_graph, reaches
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "vllm_moe_graphs"
+BENCHMARKS = PACKAGE.parent / "benchmarks"  # not the package, but held to its module size
 INTEGRATION = "integration"  # the one place that may import vLLM internals
 PUBLIC_API = {"vllm", "vllm.inputs"}  # what `cli/` may import: vLLM's documented entry points
 PUBLIC_ONLY = {"cli"}
@@ -219,8 +221,9 @@ def test_integration_inits_import_nothing():
 
 
 def size_violations(lines: dict[pathlib.PurePath, int]) -> list[str]:
-    """Modules (paths relative to the package -> line counts) over `MAX_MODULE_LINES`, rooms of
-    integration/ (a folder, or its root's own files) over `MAX_ROOM_LINES`."""
+    """Modules (paths relative to the package, or to the checkout for benchmarks/ -> line
+    counts) over `MAX_MODULE_LINES`, rooms of integration/ (a folder, or its root's own files)
+    over `MAX_ROOM_LINES`."""
     out = [f"{rel}: {n} lines > {MAX_MODULE_LINES}" for rel, n in sorted(lines.items())
            if n > MAX_MODULE_LINES]
     rooms: dict[str, int] = {}
@@ -239,6 +242,14 @@ def test_no_module_or_room_is_too_large():
     assert not violations, "\n".join(violations)
 
 
+def test_no_benchmark_module_is_too_large():
+    modules = sorted(BENCHMARKS.rglob("*.py"))
+    assert len(modules) > 30 and any(p.parts[-2] == "kernels" for p in modules)
+    lines = {p.relative_to(BENCHMARKS.parent): len(p.read_text().splitlines()) for p in modules}
+    violations = size_violations(lines)
+    assert not violations, "\n".join(violations)
+
+
 @pytest.mark.parametrize("lines,bad", [
     ({"graphs/runner.py": 400, "integration/runner/lifecycle.py": 400}, []),
     ({"integration/runner/lifecycle.py": 408},
@@ -246,6 +257,9 @@ def test_no_module_or_room_is_too_large():
     ({f"integration/startup/m{i}.py": 300 for i in range(6)},
      ["integration/startup: 1800 lines > 1500"]),
     ({f"integration/m{i}.py": 300 for i in range(6)}, ["integration/(root): 1800 lines > 1500"]),
+    ({"benchmarks/serving/bench.py": 514, "benchmarks/harness/sweep.py": 400},
+     ["benchmarks/serving/bench.py: 514 lines > 400"]),
+    ({f"benchmarks/kernels/m{i}.py": 300 for i in range(6)}, []),  # no room limit there
 ])
 def test_the_size_check_sees_what_is_too_large(lines, bad):
     assert size_violations({pathlib.PurePath(k): v for k, v in lines.items()}) == bad

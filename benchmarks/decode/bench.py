@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import report
-from benchmarks.harness import plot, sweep
+from benchmarks.harness import machine, plot, sweep
 from benchmarks.harness.modes import DEFAULT_MODES, MODES, parse_modes
-from benchmarks.harness.profile_steps import prefill_token_counts
+from benchmarks.harness.profile_prefill import prefill_token_counts
 from benchmarks.harness.protocol import (
     merge_rounds,
     spec_to_json,
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     validate_args(args)
     if not args.dry_run:
-        problem = sweep.gpu_problem()
+        problem = machine.gpu_problem()
         if problem:
             print(
                 f"error: this benchmark needs an NVIDIA GPU: {problem}. Run it on a GPU machine "
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         plan = {"absent": absent, "layers": layers, "workers": [spec_to_json(s) for s in specs]}
         print(json.dumps(plan, indent=1), flush=True)
         return 0
-    if args.interleave and (gpu_bytes := sweep.gpu_memory_bytes()):
+    if args.interleave and (gpu_bytes := machine.gpu_memory_bytes()):
         for model in dict.fromkeys(s.model for s in specs):
             mine = [s for s in specs if s.model == model]
             why = sweep.interleave_overflow(model, shapes[model],
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for result in results:
         rows += [dataclasses.asdict(r) for r in report.build_rows(result, shapes[result.model], bw)]
-    env = sweep.environment(args, results, layers, bandwidths)
+    env = machine.environment(args, results, layers, bandwidths)
     doc = report.assemble(args.name, env, rows, absent, failures, skipped)
     return finish(doc, args.results_dir, args.no_plot)
 

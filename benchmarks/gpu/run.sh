@@ -65,7 +65,7 @@ LOGDIR=$(mktemp -d /tmp/decode-bench-XXXX)
 # profile-<model>-<mode>.txt.
 [ "${BENCH_PROFILE:-0}" = 1 ] && export BENCH_PROFILE_DIR=$LOGDIR
 # BENCH_PROFILE_PREFILL=T1,T2,...: each mode worker also profiles prefill steps of T query
-# tokens (benchmarks/harness/profile_steps.py): profile-prefill-<model>-<mode>.txt in
+# tokens (benchmarks/harness/profile_prefill.py): profile-prefill-<model>-<mode>.txt in
 # worker-logs.tar.gz.
 [ -n "${BENCH_PROFILE_PREFILL:-}" ] && export BENCH_PREFILL_PROFILE_DIR=$LOGDIR
 # BENCH_STARTUP_PROFILE=1: each worker traces its engine start

@@ -13,23 +13,18 @@ got exactly one new token and all of them had finished prefill before: decode-on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import math
 import os
-import random
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.harness.decode_points import Bench, format_error, measure_points, say, \
+    serve_commands
 from benchmarks.harness.protocol import (
-    DONE,
-    READY,
-    SLACK_STEPS,
     WorkerResult,
     WorkerSpec,
     result_to_json,
@@ -38,109 +33,6 @@ from benchmarks.harness.protocol import (
 )
 from benchmarks.harness.startup_trace import maybe_trace_startup
 from benchmarks.harness.vllm_facts import VllmLogTap, check_config_dicts, describe_engine, validate
-
-MAX_CONSECUTIVE_FAILURES = 2
-
-
-def say(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
-
-
-def format_error(exc: BaseException, limit: int = 2500) -> str:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    head = f"{type(exc).__name__}: {exc}"
-    tail = tb[-limit:]
-    return head if head in tail else f"{head}\n...{tail}"
-
-
-def decode_intervals(chains: list[list[float]]) -> list[float]:
-    """Gaps (ms) between consecutive decode-only step returns, chain by chain."""
-    out: list[float] = []
-    for chain in chains:
-        out += [(b - a) * 1e3 for a, b in zip(chain, chain[1:])]
-    return out
-
-
-def run_point(
-    llm: Any,
-    spec: WorkerSpec,
-    batch: int,
-    context: int,
-    tag: str,
-    rng: random.Random,
-    resolved: dict[str, Any],
-    make_params: Callable[[int], Any],
-    make_prompt: Callable[[list[int]], Any],
-) -> tuple[list[float], float]:
-    """One repeat of one (batch, context) point: returns (decode step ms, prefill seconds)."""
-    engine = llm.llm_engine
-    mbt = int(resolved.get("max_num_batched_tokens") or 8192)
-    prefill_steps = math.ceil(batch * context / max(1, mbt - batch)) + 1
-    wanted = spec.warmup_steps + spec.decode_tokens
-    room = int(resolved.get("max_model_len") or 0) - context
-    max_tokens = min(wanted + prefill_steps + SLACK_STEPS, room)
-    if max_tokens < wanted + 2:
-        raise ValueError(
-            f"max_model_len leaves {room} new tokens at context {context}; need {wanted + 2}"
-        )
-    blocks, block = resolved.get("num_gpu_blocks"), resolved.get("block_size")
-    if blocks and block:
-        need = batch * math.ceil((context + max_tokens) / block) * block
-        if need > blocks * block:
-            raise RuntimeError(
-                f"KV cache holds {blocks * block} tokens, batch {batch} x "
-                f"{context + max_tokens} needs {need}: the batch would not run concurrently "
-                f"(raise --gpu-memory-utilization or lower --num-layers)"
-            )
-    params = make_params(max_tokens)
-    prompts = [
-        make_prompt([rng.randrange(spec.vocab_size) for _ in range(context)]) for _ in range(batch)
-    ]
-    engine_inputs = llm._preprocess_cmpl(prompts)  # what LLM.generate does with token prompts
-    ids = [f"{tag}-{i}" for i in range(batch)]
-    counts = dict.fromkeys(ids, 0)
-    chains: list[list[float]] = [[]]
-    t_start, t_ready = time.perf_counter(), None
-    try:
-        for rid, engine_input in zip(ids, engine_inputs):
-            engine.add_request(rid, engine_input, params)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            if not outputs:
-                continue
-            was_ready = t_ready is not None
-            new: dict[str, int] = {}
-            finished = False
-            for out in outputs:
-                n = sum(len(c.token_ids) for c in out.outputs)
-                new[out.request_id] = new.get(out.request_id, 0) + n
-                finished = finished or out.finished
-            for rid, n in new.items():
-                counts[rid] = counts.get(rid, 0) + n
-            decode_only = (
-                was_ready
-                and not finished
-                and len(new) == batch
-                and all(n == 1 for n in new.values())
-            )
-            if decode_only:
-                chains[-1].append(now)
-            elif chains[-1]:
-                chains.append([])
-            if t_ready is None and all(c >= 1 for c in counts.values()):
-                t_ready = now
-    finally:
-        if engine.has_unfinished_requests():
-            engine.abort_request(ids)
-    steps = decode_intervals(chains)[spec.warmup_steps :][: spec.decode_tokens]
-    if len(steps) < max(1, spec.decode_tokens // 2):
-        raise RuntimeError(
-            f"only {len(steps)} decode-only steps at batch {batch} context {context} (wanted "
-            f"{spec.decode_tokens}); tokens per request: {sorted(set(counts.values()))}"
-        )
-    prefill_s = (t_ready or time.perf_counter()) - t_start
-    return steps, prefill_s
 
 
 def measure_bandwidth(torch: Any) -> float | None:
@@ -175,7 +67,7 @@ def run(
     os.environ.update(spec.env)  # before vLLM reads its environment
     prefill_counts, prefill_dir = None, os.environ.get("BENCH_PREFILL_PROFILE_DIR")
     if os.environ.get("BENCH_PROFILE_PREFILL") and prefill_dir:
-        from benchmarks.harness.profile_steps import prefill_token_counts
+        from benchmarks.harness.profile_prefill import prefill_token_counts
 
         prefill_counts = prefill_token_counts(os.environ["BENCH_PROFILE_PREFILL"])  # fail early
     import torch
@@ -256,7 +148,7 @@ def run(
 
         profile_run(llm, spec, make_params, make_prompt, os.environ["BENCH_PROFILE_DIR"])
     if prefill_counts and on_gpu:
-        from benchmarks.harness.profile_steps import profile_prefill_run
+        from benchmarks.harness.profile_prefill import profile_prefill_run
 
         profile_prefill_run(llm, spec, prefill_counts, make_params, make_prompt, prefill_dir)
     plugin = plugin_counters()
@@ -309,126 +201,6 @@ def plugin_counters() -> dict[str, Any] | None:
                 "scratch_bytes"):
         out.setdefault(key, 0)
     return out
-
-
-@dataclasses.dataclass(slots=True)
-class Bench:
-    """What measuring needs: the engine, the spec, the result it fills and how to save it, and
-    the vLLM request builders."""
-
-    llm: Any
-    spec: WorkerSpec
-    result: WorkerResult
-    save: Callable[[], None]
-    make_params: Callable[[int], Any]
-    make_prompt: Callable[[list[int]], Any]
-
-
-def measure_points(bench: Bench) -> None:
-    spec, result = bench.spec, bench.result
-    rng = random.Random(spec.seed)
-    durations: dict[tuple[int, int], float] = {}
-    skipped: dict[tuple[int, int], int] = {}
-    failures_in_row = 0
-    for rep in range(spec.repeats):
-        for batch, context in spec.points():
-            point = result.point(batch, context)
-            if point.error is not None:
-                continue
-            # A started engine measures at least one point if the run's end allows: its start-up
-            # time is already spent. Then repeat 1 keeps to its deadline, repeats 2.. to theirs.
-            deadline = (
-                spec.hard_deadline
-                if not durations
-                else spec.first_pass_deadline
-                if rep == 0
-                else spec.soft_deadline
-            )
-            est = durations.get((batch, context)) or max(
-                [5.0, *(2 * d for d in durations.values())]
-            )
-            if deadline is not None and time.time() + est > deadline:
-                skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
-                continue
-            t0 = time.perf_counter()
-            ok = measure_one(bench, rng, batch, context, rep, f"r{rep}b{batch}c{context}")
-            if not ok:
-                failures_in_row += 1
-                if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
-                    raise RuntimeError(
-                        f"{failures_in_row} points failed in a row; giving up on mode {spec.mode}"
-                    )
-                continue
-            failures_in_row = 0
-            durations[(batch, context)] = time.perf_counter() - t0
-    result.skipped = [
-        {"batch": b, "context": c, "repeats_skipped": n, "reason": "time budget"}
-        for (b, c), n in sorted(skipped.items())
-    ]
-
-
-def measure_one(
-    bench: Bench,
-    rng: random.Random,
-    batch: int,
-    context: int,
-    rep: int,
-    tag: str,
-    record: bool = True,
-) -> bool:
-    """One repeat of one point: recorded in `result` (unless `record` is False: a warm-up) and
-    saved. False when it failed (the error is recorded on the point)."""
-    spec, result, save = bench.spec, bench.result, bench.save
-    point = result.point(batch, context)
-    t0 = time.perf_counter()
-    try:
-        steps, prefill_s = run_point(bench.llm, spec, batch, context, tag, rng, result.resolved,
-                                     bench.make_params, bench.make_prompt)
-    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-        point.error = format_error(exc)
-        say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
-        save()
-        return False
-    p50 = statistics.median(steps)
-    if record:
-        point.step_ms += [round(s, 4) for s in steps]
-        point.repeat_p50_ms.append(round(p50, 4))
-        point.prefill_s.append(round(prefill_s, 3))
-        point.point_s.append(round(time.perf_counter() - t0, 3))
-        point.repeats_done += 1
-        save()
-    what = f"rep {rep + 1}/{spec.repeats}" if record else "warm-up"
-    say(
-        f"{spec.model} {spec.mode} {what} b={batch} c={context}: p50 {p50:.3f} ms over "
-        f"{len(steps)} steps, prefill {prefill_s:.2f} s, point {time.perf_counter() - t0:.1f} s"
-    )
-    return True
-
-
-def serve_commands(bench: Bench, commands: Any = None) -> None:
-    """Interleaved runs (`benchmarks.decode --interleave`): the parent keeps every mode's engine
-    up and sends one line per repeat of a point, mode after mode, so that every mode samples the
-    host at the same moments. Commands: `point BATCH CONTEXT REP` (REP -1: a warm-up, not
-    recorded) and `quit`; each gets a DONE line back. Ends at `quit` or end of input."""
-    commands = sys.stdin if commands is None else commands
-    rng = random.Random(bench.spec.seed)
-    print(READY, flush=True)
-    for line in commands:
-        words = line.split()
-        if not words:
-            continue
-        if words == ["quit"]:
-            break
-        try:
-            if words[0] != "point" or len(words) != 4:
-                raise ValueError(f"unknown command {line.strip()!r}")
-            batch, context, rep = (int(w) for w in words[1:])
-        except ValueError as exc:
-            print(f"{DONE} error {exc}", flush=True)
-            continue
-        ok = measure_one(bench, rng, batch, context, max(rep, 0), f"i{rep}b{batch}c{context}",
-                         record=rep >= 0)
-        print(f"{DONE} {'ok' if ok else 'error'}", flush=True)
 
 
 def _fmt(value: float | None) -> str:

@@ -1,83 +1,26 @@
-"""The sweep behind `benchmarks.decode`: plan the workers, run them one by one within the time
-budget, and describe the environment. No torch, no vLLM here: those live in the worker processes.
+"""The sweep behind `benchmarks.decode`: plan the workers, run them one by one (or all up at once,
+taking turns: `--interleave`) within the time budget. Each worker is a child process
+(`worker_process`); the machine and the environment record: `machine`. No torch, no vLLM here:
+those live in the worker processes.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import glob
-import hashlib
-import importlib.metadata
-import json
 import math
-import os
-import platform
-import queue
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from benchmarks.harness.modes import MODES, Mode, common_llm_kwargs, parse_modes
-from benchmarks.harness.protocol import (
-    DONE,
-    READY,
-    SLACK_STEPS,
-    WorkerResult,
-    WorkerSpec,
-    result_from_json,
-    spec_to_json,
-    write_json_atomic,
-)
-from benchmarks.harness.shapes import (REPO_ROOT, ModelShape, prepare_config_dir, read_config,
-                               resident_weight_bytes)
+from benchmarks.harness.protocol import READY, SLACK_STEPS, WorkerResult, WorkerSpec
+from benchmarks.harness.shapes import ModelShape, prepare_config_dir, read_config, \
+    resident_weight_bytes
+from benchmarks.harness.worker_process import EXITED, KILL_GRACE_S, WorkerProcess, run_worker, \
+    stop_group
 
 RESERVE_S = 15.0  # kept back from --time-budget-s for writing the JSON, plot and table
-KILL_GRACE_S = 5.0
 MIN_MEASURE_S = 10.0  # a mode starts only if its start-up estimate plus this fits the budget
-
-
-def torch_cuda_problem(script: str) -> str | None:
-    """Why the kernel benchmark `script` cannot run here (torch missing, no CUDA device), or
-    None."""
-    try:
-        import torch
-    except ImportError as exc:
-        return f"{script} needs torch: {exc}"
-    if not torch.cuda.is_available():
-        return (f"{script} is a GPU benchmark: no CUDA device is visible "
-                "(torch.cuda.is_available() is False). Run it on the H200.")
-    return None
-
-
-def nvidia_smi(*args: str) -> str | None:
-    """nvidia-smi's output for `args` (no CUDA init), or None where it is absent or fails."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def gpu_problem() -> str | None:
-    """Why no NVIDIA GPU is usable here, or None. Cheap: no torch, no vLLM, no CUDA init."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
-    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/proc/driver/nvidia/version"):
-        return None
-    if "GPU" in (nvidia_smi("-L") or ""):
-        return None
-    return "no NVIDIA GPU found (no /dev/nvidia*, no /proc/driver/nvidia, no working nvidia-smi)"
 
 
 def max_model_len(contexts: list[int], batches: list[int], decode: int, warmup: int) -> int:
@@ -109,14 +52,6 @@ def interleave_overflow(model: str, shape: ModelShape, kv_bytes: int, engines: i
             f"this GPU has {gpu_bytes / gib:.0f} GiB. Pass at most {fit} mode(s) per run "
             f"(several runs), or cut the model with --num-layers")
 
-
-def gpu_memory_bytes() -> int | None:
-    """Total memory of the first visible GPU from nvidia-smi (no CUDA init), or None."""
-    out = nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
-    try:
-        return int(out.split()[0]) * 2**20 if out else None
-    except (ValueError, IndexError):
-        return None
 
 
 def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:
@@ -185,212 +120,6 @@ def plan(
                 )
     return specs, absent, layers, shapes
 
-
-def _pump(stream: TextIO, log: TextIO, control: queue.Queue[str] | None = None) -> None:
-    for line in stream:
-        log.write(line)
-        log.flush()
-        if line.startswith("[bench]"):
-            print("  " + line.rstrip(), flush=True)
-        elif control is not None and line.startswith((READY, DONE)):
-            control.put(line.rstrip())
-    if control is not None:
-        control.put(EXITED)
-
-
-EXITED = "[exited]"  # put by the pump when the worker's stdout ends
-
-
-def _stop_group(proc: subprocess.Popen[str]) -> None:
-    """End the worker's process group (the worker and whatever it started), if anything is left.
-
-    The group id is the worker's pid (start_new_session=True), so only processes it started."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        if sig is signal.SIGTERM:
-            time.sleep(0.5)  # give the rest of the group its moment before SIGKILL
-
-
-class _Worker:
-    """One started mode worker: its process, log, output pump and (interleaved) control lines."""
-
-    module = "benchmarks.harness.mode_worker"  # what `python -m` runs (tests put a stand-in here)
-
-    def __init__(self, spec: WorkerSpec, work_dir: Path, interactive: bool = False,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        self.spec = spec
-        stem = f"{spec.model}-{spec.mode}" + (f"-r{spec.round}" if spec.round else "")
-        spec_path, self.log_path = work_dir / f"spec-{stem}.json", work_dir / f"log-{stem}.txt"
-        write_json_atomic(spec_path, spec_to_json(spec))
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
-                                            if p)
-        self.t0 = time.monotonic()
-        self.control: queue.Queue[str] | None = queue.Queue() if interactive else None
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in finish()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, str(spec_path), *extra_args],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.PIPE if interactive else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # its own process group: compile helpers die with it
-        )
-        assert self.proc.stdout is not None, "Popen with stdout=PIPE has a stdout"
-        self.pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log, self.control),
-                                     daemon=True)
-        self.pump.start()
-        self.killed = False
-        self.error: str | None = None  # a run-level error found while it ran
-
-    def wait_line(self, timeout_s: float) -> str | None:
-        """The next control line (READY / DONE ... / EXITED); None after `timeout_s`."""
-        assert self.control is not None, "not an interleaved worker"
-        try:
-            return self.control.get(timeout=max(0.1, timeout_s))
-        except queue.Empty:
-            return None
-
-    def send(self, line: str) -> bool:
-        try:
-            assert self.proc.stdin is not None, "not an interleaved worker"
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-            return True
-        except (BrokenPipeError, OSError):
-            return False
-
-    def finish(self, timeout_s: float) -> tuple[WorkerResult, str | None]:
-        """Wait up to `timeout_s` for the worker to exit (then kill it); its result and a
-        run-level error."""
-        try:
-            self.proc.wait(timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            self.killed = True
-        finally:  # also on KeyboardInterrupt: never leave a worker behind
-            _stop_group(self.proc)
-        self.pump.join(timeout=5)
-        self.log.close()
-        elapsed = time.monotonic() - self.t0
-        spec = self.spec
-        try:
-            result = result_from_json(json.loads(Path(spec.result_path).read_text()))
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
-            result = WorkerResult(
-                model=spec.model, mode=spec.mode, status="failed", error=f"no result file ({exc})"
-            )
-        error = self.error
-        if error is None and self.killed:
-            error = (
-                f"killed at its time limit after {elapsed:.0f} s (worker status was "
-                f"{result.status!r}); points measured before are kept"
-            )
-        elif error is None and result.status in ("starting", "running"):
-            error = (f"worker exited with code {self.proc.returncode} before finishing (status "
-                     f"{result.status!r})")
-        elif error is None and result.status == "failed":
-            error = result.error or "failed"
-        if error:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-25:]
-            print(f"  worker log tail ({self.log_path}):\n    " + "\n    ".join(tail), flush=True)
-        return result, error
-
-
-def run_worker(spec: WorkerSpec, work_dir: Path, limit_s: float,
-               extra_args: tuple[str, ...] = ()) -> tuple[WorkerResult, str | None]:
-    """Run one worker to completion or `limit_s`; returns its result and a run-level error.
-    `extra_args` go to the worker's command line (e.g. `--allow-cpu`)."""
-    return _Worker(spec, work_dir, extra_args=extra_args).finish(limit_s)
-
-
-def environment(
-    args: argparse.Namespace,
-    results: list[WorkerResult],
-    layers: dict[str, int],
-    bandwidths: list[float],
-) -> dict[str, Any]:
-    versions = next((r.versions for r in results if r.versions), {})
-
-    def version(pkg: str) -> str:
-        if pkg in versions:
-            return versions[pkg]
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return "unknown"
-
-    gpu, driver = versions.get("gpu", "unknown"), "unknown"
-    out = nvidia_smi("--query-gpu=name,driver_version", "--format=csv,noheader")
-    if out and out.strip():
-        try:
-            gpu, driver = (s.strip() for s in out.splitlines()[0].split(",", 1))
-        except ValueError:
-            pass
-    return {
-        "gpu_name": gpu,
-        "driver": driver,
-        "cuda": versions.get("cuda", "unknown"),
-        "torch": version("torch"),
-        "vllm": version("vllm"),
-        "triton": version("triton"),
-        "python": versions.get("python", platform.python_version()),
-        "git_commit": _git_commit(),
-        "source_digest": source_digest(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "layers": layers,
-        "hbm_bandwidth_gbps": round(statistics.median(bandwidths), 1) if bandwidths else None,
-        "hbm_bandwidth_samples_gbps": [round(b, 1) for b in bandwidths],
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
-
-
-def _git_commit() -> str:
-    """$BENCH_GIT_COMMIT when set (pass it in the device command: the device copy of the repo
-    has no .git of its own, and one it finds can be stale), else HEAD (+dirty), else
-    "unknown"."""
-    given = os.environ.get("BENCH_GIT_COMMIT", "").strip()
-    if given:
-        return f"{given} (from BENCH_GIT_COMMIT)"
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if out.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return "unknown (no git checkout here)"
-
-
-def source_digest() -> str:
-    """sha256 (16 hex) of the Python sources of vllm_moe_graphs/ and benchmarks/: names the code
-    that ran even where there is no git."""
-    digest = hashlib.sha256()
-    for path in sorted(REPO_ROOT.glob("vllm_moe_graphs/**/*.py")) + sorted(
-        REPO_ROOT.glob("benchmarks/*.py")
-    ):
-        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def deadlines(
@@ -476,8 +205,8 @@ def rotation(items: list[Any], k: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
-def _measure_in_turns(workers: list[_Worker], specs: list[WorkerSpec], t_end: float | None,
-                      cut: dict[tuple[str, int, int], int]) -> None:
+def _measure_in_turns(workers: list[WorkerProcess], specs: list[WorkerSpec],
+                      t_end: float | None, cut: dict[tuple[str, int, int], int]) -> None:
     """The measuring passes of `execute_interleaved`: a warm-up pass, then the repeats; within a
     pass point by point, every live worker in turn, the first one rotating. Passes the budget
     cannot hold are counted into `cut`."""
@@ -511,7 +240,7 @@ def _measure_in_turns(workers: list[_Worker], specs: list[WorkerSpec], t_end: fl
                 if line is None or line == EXITED:
                     w.error = (f"no answer to point b={batch} c={context} within {limit:.0f} s"
                                if line is None else "worker exited while measuring")
-                    _stop_group(w.proc)  # a hung worker must not run next to the others
+                    stop_group(w.proc)  # a hung worker must not run next to the others
             durations[(batch, context)] = time.monotonic() - t0
 
 
@@ -524,7 +253,7 @@ def execute_interleaved(
     repeat back to back, the first mode rotating. A host whose speed drifts over tens of seconds
     then shifts every mode alike. Stops starting passes when the budget cannot hold one.
     Returns (results, failures, skipped) like `execute`."""
-    started: list[_Worker] = []  # every worker ever started: all are finished, come what may
+    started: list[WorkerProcess] = []  # every worker ever started: all are finished, come what may
     done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
     skipped: list[dict[str, Any]] = []
     cut: dict[tuple[str, int, int], int] = {}  # (mode, batch, context) -> repeats cut by budget
@@ -540,7 +269,7 @@ def execute_interleaved(
                 continue
             limit = mode_timeout_s if t_end is None else min(mode_timeout_s, t_end - now)
             print(f"[decode] start {i + 1}/{len(specs)} {spec.model} {spec.mode}", flush=True)
-            worker = _Worker(spec, work_dir, interactive=True)
+            worker = WorkerProcess(spec, work_dir, interactive=True)
             started.append(worker)
             line = worker.wait_line(limit)
             if line != READY:  # ended now: a hung start must not hold the GPU while others run

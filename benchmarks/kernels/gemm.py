@@ -26,11 +26,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
+
+if not __package__:  # run as a script: this checkout's packages, not installed ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.cli import (  # noqa: E402
+    add_replay_options, int_list, kernel_main, kernel_parser, options_record, split_list,
+    write_result)
+from benchmarks.kernels.timing import DEVICE, device_header, time_graph  # noqa: E402
 
 # name -> (N, K): out_features x in_features
 SHAPES: dict[str, tuple[int, int]] = {
@@ -46,30 +53,19 @@ SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-30b-a3b/o_proj": (2048, 4096),
 }
 MAX_WEIGHT_COPIES = 64
-DEVICE = "cuda"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from benchmarks.kernels.attn import _ints, _splits  # one definition of the list parsers
-
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", type=Path, required=True, help="JSON file to write the results to")
+    p = kernel_parser(__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"comma list from {list(SHAPES)} (default: all)")
-    p.add_argument("--ms", type=_ints, default=[1, 2, 4, 8, 16],
+    p.add_argument("--ms", type=int_list, default=[1, 2, 4, 8, 16],
                    help="comma list of M (decode rows), each <= 16 (default: 1,2,4,8,16)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                    help="x/weight dtype (default: bf16)")
     p.add_argument("--bias", action="store_true", help="add a bias (default: none, as Qwen3)")
-    p.add_argument("--graph-launches", type=int, default=64,
-                   help="launches captured in one CUDA graph; raised to the number of weight "
-                        "copies when L2 rotation needs more (default: 64)")
-    p.add_argument("--replays", type=int, default=20,
-                   help="timed graph replays per measurement (default: 20)")
-    p.add_argument("--warmup-replays", type=int, default=3,
-                   help="untimed graph replays before timing (default: 3)")
+    add_replay_options(p, 64, "launches captured in one CUDA graph; raised to the number of "
+                       "weight copies when L2 rotation needs more (default: 64)", 20, 3)
     p.add_argument("--min-stream-mib", type=float, default=64.0,
                    help="stream at least this many MiB of weights per replay, and >= 3x L2 "
                         "(default: 64)")
@@ -99,20 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "M in --sweep-ms and report the best config per (shape, M) and per "
                         "shape (rows/ratios keep the default config); the default lists make "
                         "96 configs per (shape, M): narrow them for quick runs")
-    p.add_argument("--sweep-ms", type=_ints, default=[1, 16],
+    p.add_argument("--sweep-ms", type=int_list, default=[1, 16],
                    help="sweep: the M values to sweep at (default: 1,16)")
-    p.add_argument("--sweep-block-n", type=_ints, default=[32, 64, 128],
+    p.add_argument("--sweep-block-n", type=int_list, default=[32, 64, 128],
                    help="sweep: BLOCK_N values (default: 32,64,128)")
-    p.add_argument("--sweep-block-k", type=_ints, default=[128, 256],
+    p.add_argument("--sweep-block-k", type=int_list, default=[128, 256],
                    help="sweep: BLOCK_K values (default: 128,256)")
-    p.add_argument("--sweep-splits", type=_splits, default=["auto", "1", "4", "8"],
+    p.add_argument("--sweep-splits", type=split_list, default=["auto", "1", "4", "8"],
                    help="sweep: split-K values, 'auto' (choose_small_m_config's, for this "
                         "BLOCK_N/BLOCK_K) or integers (default: auto,1,4,8)")
-    p.add_argument("--sweep-num-warps", type=_ints, default=[4, 8],
+    p.add_argument("--sweep-num-warps", type=int_list, default=[4, 8],
                    help="sweep: num_warps values (default: 4,8)")
-    p.add_argument("--sweep-num-stages", type=_ints, default=[3, 4],
+    p.add_argument("--sweep-num-stages", type=int_list, default=[3, 4],
                    help="sweep: num_stages values (default: 3,4)")
-    p.add_argument("--sweep-swap-ab", type=_ints, default=[0, 1],
+    p.add_argument("--sweep-swap-ab", type=int_list, default=[0, 1],
                    help="sweep: swap_ab values, 0/1 (default: 0,1)")
     args = p.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -174,7 +170,6 @@ class Case:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.kernels.attn import _time_graph, device_header
     from vllm_moe_graphs.ops import SmallMGemmConfig, small_m_linear, small_m_workspace_numel
     from vllm_moe_graphs.ops import small_m_plan as smg
 
@@ -226,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
                 failures.append(key)
                 print(f"# MISMATCH {key}: max |ours - torch| = {diff:.3e}", flush=True)
 
-            torch_us = _time_graph(torch, torch_fns, *timing)
-            ours_us = _time_graph(torch, ours_fns(cfg), *timing)
+            torch_us = time_graph(torch, torch_fns, *timing)
+            ours_us = time_graph(torch, ours_fns(cfg), *timing)
             floor_us = case.io_bytes() / bandwidth * 1e6
             row = dict(shape=name, n=n, k=k, m=m, dtype=args.dtype, bias=args.bias,
                        **asdict(cfg), plugin_us=ours_us, torch_us=torch_us,
@@ -248,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 trials = []
                 for c in trial_cfgs:
                     try:
-                        us = _time_graph(torch, ours_fns(c), *timing)
+                        us = time_graph(torch, ours_fns(c), *timing)
                     except Exception as exc:  # e.g. out of shared memory for a big config
                         trials.append(dict(**asdict(c), error=repr(exc)[:200]))
                         continue
@@ -277,29 +272,18 @@ def run(args: argparse.Namespace) -> int:
 
     result = dict(
         device=torch.cuda.get_device_name(0), num_sms=num_sms, hbm_bandwidth_bytes_per_s=bandwidth,
-        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        args=options_record(args),
         rows=rows, ratios=ratios, pct_hbm=pct_hbm, mismatches=failures,
     )
     if args.sweep:
         result["sweep"] = sweeps
         result["sweep_best_per_shape"] = shape_best
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"# wrote {args.out}")
+    write_result(result, args.out)
     return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:  # run as a script: this checkout's packages, not installed ones
-        sys.path.insert(0, root)
-    args = parse_args(argv)
-    from benchmarks.harness.sweep import torch_cuda_problem
-
-    if (problem := torch_cuda_problem("benchmarks.kernels.gemm")) is not None:
-        print(problem, file=sys.stderr)
-        return 2
-    return run(args)
+    return kernel_main("benchmarks.kernels.gemm", argv, parse_args, run)
 
 
 if __name__ == "__main__":

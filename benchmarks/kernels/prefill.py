@@ -10,7 +10,7 @@ random). Case specs (`--cases`, comma-separated):
   chunk:L@P        one chunk of L tokens after P cached tokens (chunked prefill, prefix hit)
   mixed:D@C+L      D decode rows of context C next to one prompt of L tokens
 
-Kernels, each launched inside one CUDA graph (`attn._time_graph`):
+Kernels, each launched inside one CUDA graph (`timing.time_graph`):
 - `plugin`: `paged_prefill_attention` planned as an eager step plans it (tile from the step's
   longest query);
 - `plugin_graph`: the same launch planned as a graph key plans it (tile from the token bucket:
@@ -31,13 +31,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import sys
 from pathlib import Path
 
-from benchmarks.kernels.attn import (DEVICE, MODELS, _time_graph, device_header,
-                                     flash_attn_problem)
+if not __package__:  # run as a script: this checkout's packages, not installed ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.attn_case import MODELS, flash_attn_problem  # noqa: E402
+from benchmarks.kernels.cli import (  # noqa: E402
+    add_replay_options, kernel_main, kernel_parser, options_record, write_result)
+from benchmarks.kernels.timing import DEVICE, device_header, time_graph  # noqa: E402
 
 DEFAULT_CASES = ("prefill:512,prefill:2048,prefill:8192,chunk:2048@4096,chunk:512@16384,"
                  "mixed:64@1024+512,mixed:32@2048+2048,mixed:128@1024+128")
@@ -95,9 +99,7 @@ def parse_case(spec: str) -> StepCase:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="JSON file to write the results to")
+    p = kernel_parser(__doc__)
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma list from {sorted(MODELS)} (default: all)")
     p.add_argument("--cases", default=DEFAULT_CASES,
@@ -105,12 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                    help="query/KV dtype (default: bf16)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache page size (default: 16)")
-    p.add_argument("--graph-launches", type=int, default=10,
-                   help="kernel launches captured in one CUDA graph (default: 10)")
-    p.add_argument("--replays", type=int, default=10,
-                   help="timed graph replays per measurement (default: 10)")
-    p.add_argument("--warmup-replays", type=int, default=3,
-                   help="untimed graph replays before timing (default: 3)")
+    add_replay_options(p, 10, "kernel launches captured in one CUDA graph (default: 10)", 10, 3)
     p.add_argument("--atol", type=float, default=2e-2, help="agreement tolerance (default: 2e-2)")
     p.add_argument("--rtol", type=float, default=2e-2, help="relative tolerance (default: 2e-2)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
@@ -236,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                    "requests": len(case.requests), "token_bucket": token_bucket(case.tokens),
                    "max_abs_diff": diff, "agree": agree, "gflop": flops / 1e9}
             for name, fn in kernels.items():
-                us = _time_graph(torch, [lambda fn=fn, o=outs[name]: fn(o)], *timing)
+                us = time_graph(torch, [lambda fn=fn, o=outs[name]: fn(o)], *timing)
                 row[f"{name}_us"] = us
                 row[f"{name}_tflops"] = flops / us / 1e6
             if "fa3_us" in row:
@@ -253,24 +250,15 @@ def run(args: argparse.Namespace) -> int:
             del step, kernels, outs
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(0), "flash_attn_problem": fa3_problem,
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                       if k != "cases"},
+              "args": options_record(args, drop=("cases",)),
               "cases": [c.name for c in args.cases], "rows": rows, "ratios": ratios,
               "mismatches": mismatches}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"# wrote {args.out}")
+    write_result(result, args.out)
     return 1 if mismatches else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from benchmarks.harness.sweep import torch_cuda_problem
-
-    if (problem := torch_cuda_problem("benchmarks.kernels.prefill")) is not None:
-        print(problem, file=sys.stderr)
-        return 2
-    return run(args)
+    return kernel_main("benchmarks.kernels.prefill", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -21,29 +21,26 @@ Output: a table on stdout and a JSON file (`--out`) with `rows` and `ratios` key
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+if not __package__:  # run as a script: this checkout's packages, not installed ones
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.cli import (  # noqa: E402
+    add_replay_options, int_list, kernel_main, kernel_parser, options_record, write_result)
+from benchmarks.kernels.timing import time_graph  # noqa: E402
 
 EXPERTS, TOP_K = 128, 8  # Qwen3-30B-A3B
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from benchmarks.kernels.attn import _ints
-
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="JSON file to write the results to")
-    p.add_argument("--rows", type=_ints, default=[1, 8, 32, 64, 256, 1024, 2048, 8192],
+    p = kernel_parser(__doc__)
+    p.add_argument("--rows", type=int_list, default=[1, 8, 32, 64, 256, 1024, 2048, 8192],
                    help="comma list of a step's rows (tokens) (default: "
                         "1,8,32,64,256,1024,2048,8192)")
-    p.add_argument("--graph-launches", type=int, default=48,
-                   help="launches captured in one CUDA graph (default: 48, the MoE layers of "
-                        "Qwen3-30B-A3B)")
-    p.add_argument("--replays", type=int, default=50,
-                   help="timed graph replays per measurement (default: 50)")
-    p.add_argument("--warmup-replays", type=int, default=5,
-                   help="untimed graph replays before timing (default: 5)")
+    add_replay_options(p, 48, "launches captured in one CUDA graph (default: 48, the MoE layers "
+                       "of Qwen3-30B-A3B)", 50, 5)
     p.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
     args = p.parse_args(argv)
     if any(r < 1 for r in args.rows) or args.graph_launches < 1 or args.replays < 1:
@@ -56,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
 
-    from benchmarks.kernels.attn import _time_graph
     from vllm_moe_graphs.integration.model.moe_padding import MoePadding, sentinel
 
     rows_out, ratios, mismatches = [], {}, []
@@ -91,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             agree &= bool((picks["plugin"][real:] == sentinel(t, TOP_K, EXPERTS)).all())
             agree &= torch.equal(picks["plugin"][real:], picks["vllm_mask"][real:])
             timing = (args.graph_launches, args.warmup_replays, args.replays)
-            us = {name: _time_graph(torch, [fn], *timing) for name, fn in ways.items()}
+            us = {name: time_graph(torch, [fn], *timing) for name, fn in ways.items()}
         if not agree:
             mismatches.append(t)
         row = dict(rows=t, real_rows=real, **{f"{k}_us": v for k, v in us.items()}, agree=agree)
@@ -103,25 +99,14 @@ def run(args: argparse.Namespace) -> int:
               f"{us['vllm_mask'] / us['plugin']:4.2f}x){'' if agree else '  MISMATCH'}",
               flush=True)
     result = dict(device=torch.cuda.get_device_name(0),
-                  args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  args=options_record(args),
                   rows=rows_out, ratios=ratios, mismatches=mismatches)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"# wrote {args.out}")
+    write_result(result, args.out)
     return 1 if mismatches else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:  # run as a script: this checkout's packages, not installed ones
-        sys.path.insert(0, root)
-    args = parse_args(argv)
-    from benchmarks.harness.sweep import torch_cuda_problem
-
-    if (problem := torch_cuda_problem("benchmarks.kernels.router")) is not None:
-        print(problem, file=sys.stderr)
-        return 2
-    return run(args)
+    return kernel_main("benchmarks.kernels.router", argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import sweep
+from benchmarks.harness import machine, sweep, worker_process
 from benchmarks.harness.modes import Family, Mode, common_llm_kwargs, parse_modes
 from benchmarks.harness.protocol import WorkerResult, WorkerSpec, write_json_atomic
 from benchmarks.harness.shapes import MODELS, REPO_ROOT, prepare_config_dir, read_config
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     modes = validate_args(args)
     if not args.allow_cpu:
-        problem = sweep.gpu_problem()
+        problem = machine.gpu_problem()
         if problem:
             print(f"error: this benchmark needs an NVIDIA GPU: {problem}", file=sys.stderr)
             return EXIT_NO_GPU
@@ -350,11 +350,11 @@ def run(args: argparse.Namespace) -> int:
             result_path=str(work_dir / f"result-{mode.name}-r{rnd}.json"), round=rnd,
             hard_deadline=t_end)
         limit = args.mode_timeout_s if t_end is None else min(args.mode_timeout_s,
-                                                              t_end - now + sweep.KILL_GRACE_S)
+                                                              t_end - now + worker_process.KILL_GRACE_S)
         print(f"[startup] {order + 1}. {mode.name} {'cold' if cold else 'warm'} "
               f"(round {rnd})", flush=True)
         t0 = time.monotonic()
-        result, error = sweep.run_worker(spec, work_dir, limit, extra_args)
+        result, error = worker_process.run_worker(spec, work_dir, limit, extra_args)
         wall = time.monotonic() - t0
         # The next start of this mode: after its last cold one (warm next), that wall minus the
         # cold start-up plus a guess of a warm start-up; otherwise the wall just measured.
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
               + (f", JIT in requests: {', '.join(row['jit_in_requests'])}"
                  if row["jit_in_requests"] else "")
               + (f", error: {error.splitlines()[0]}" if error else ""), flush=True)
-    env = sweep.environment(args, results, {args.model: layers}, [])
+    env = machine.environment(args, results, {args.model: layers}, [])
     doc = {"name": args.name, "kind": "startup", "env": env,
            "protocol": {"prime": primed, "cache_env": sorted(cache_env(Path("/x"))),
                         "cold_rounds": args.cold_rounds,

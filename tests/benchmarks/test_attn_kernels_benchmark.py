@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.kernels import attn as attn_kernels
+from benchmarks.kernels import attn_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-side checks")
@@ -36,7 +36,7 @@ def test_router_benchmark_names_a_bad_value(capsys):
 
 
 def test_flash_attn_baseline_absence_has_a_reason():
-    reason = attn_kernels.flash_attn_problem()
+    reason = attn_case.flash_attn_problem()
     assert isinstance(reason, str) and reason
 
 

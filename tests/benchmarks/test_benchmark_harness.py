@@ -20,8 +20,8 @@ import pytest
 
 from benchmarks.decode import bench as decode
 from benchmarks.decode import report
-from benchmarks.harness import mode_worker as worker
-from benchmarks.harness import stats, sweep, vllm_facts
+from benchmarks.harness import decode_points
+from benchmarks.harness import machine, stats, sweep, vllm_facts, worker_process
 from benchmarks.harness.modes import DEFAULT_MODES, MODES, AbsentReason, Family
 from benchmarks.harness.protocol import PointResult, WorkerResult, WorkerSpec
 from benchmarks.harness.shapes import (
@@ -88,7 +88,7 @@ def test_no_gpu_fails_fast_with_message() -> None:
     assert not Path("/nonexistent-should-not-be-made").exists()
 
 
-@pytest.mark.skipif(sweep.gpu_problem() is None, reason="this machine has a GPU")
+@pytest.mark.skipif(machine.gpu_problem() is None, reason="this machine has a GPU")
 def test_no_gpu_detected_on_this_machine() -> None:
     out = _cli("--models", "qwen3-0.6b")
     assert out.returncode == decode.EXIT_NO_GPU
@@ -248,12 +248,12 @@ def test_gpu_memory_read_from_nvidia_smi(tmp_path: Path, monkeypatch) -> None:
     smi.write_text('#!/bin/sh\n[ "$1" = "-L" ] && exit 1\necho 143771\necho 143771\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert sweep.gpu_memory_bytes() == 143_771 * 2**20
-    assert sweep.nvidia_smi("-L") is None
+    assert machine.gpu_memory_bytes() == 143_771 * 2**20
+    assert machine.nvidia_smi("-L") is None
     smi.write_text("#!/bin/sh\necho 'not a number'\n")
-    assert sweep.gpu_memory_bytes() is None
+    assert machine.gpu_memory_bytes() is None
     monkeypatch.setenv("PATH", str(tmp_path / "absent"))
-    assert sweep.gpu_memory_bytes() is None
+    assert machine.gpu_memory_bytes() is None
 
 
 def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
@@ -562,7 +562,7 @@ def test_run_point_times_decode_only_steps(lag: bool) -> None:
         return outs
 
     engine.step = step
-    steps, prefill_s = worker.run_point(
+    steps, prefill_s = decode_points.run_point(
         llm,
         spec,
         4,
@@ -581,7 +581,7 @@ def test_run_point_times_decode_only_steps(lag: bool) -> None:
     assert first_full >= 2 + lag  # 2400 prompt tokens in chunks of <= 1000: mixed steps first
     resolved["num_gpu_blocks"] = 10  # 160 tokens of KV cannot hold 4 x 600
     with pytest.raises(RuntimeError, match="KV cache holds 160 tokens"):
-        worker.run_point(
+        decode_points.run_point(
             llm,
             spec,
             4,
@@ -595,9 +595,8 @@ def test_run_point_times_decode_only_steps(lag: bool) -> None:
 
 
 def test_decode_intervals_and_spec_order() -> None:
-    assert worker.decode_intervals([[0.0, 0.001, 0.003], [], [1.0, 1.002]]) == pytest.approx(
-        [1.0, 2.0, 2.0]
-    )
+    intervals = decode_points.decode_intervals([[0.0, 0.001, 0.003], [], [1.0, 1.002]])
+    assert intervals == pytest.approx([1.0, 2.0, 2.0])
     spec = WorkerSpec(
         model="m",
         config_dir="",
@@ -767,7 +766,7 @@ def test_serve_commands_records_repeats_not_warmups(
             raise RuntimeError("no room")
         return [1.0, 2.0, 3.0], 0.5
 
-    monkeypatch.setattr(worker, "run_point", fake_run_point)
+    monkeypatch.setattr(decode_points, "run_point", fake_run_point)
     spec = WorkerSpec(model="m", config_dir="", mode="plugin_graphs", llm_kwargs={}, env={},
                       batches=[1, 3], contexts=[512], repeats=2, decode_tokens=3,
                       warmup_steps=0, vocab_size=10, seed=0, result_path="", interleaved=True)
@@ -775,8 +774,8 @@ def test_serve_commands_records_repeats_not_warmups(
     saves = []
     commands = ["point 1 512 -1\n", "\n", "point 1 512 0\n", "point 3 512 0\n", "bogus\n",
                 "point 1 512 1\n", "quit\n", "point 1 512 2\n"]
-    bench = worker.Bench(None, spec, result, lambda: saves.append(1), None, None)
-    worker.serve_commands(bench, commands)
+    bench = decode_points.Bench(None, spec, result, lambda: saves.append(1), None, None)
+    decode_points.serve_commands(bench, commands)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("[bench] ")]
     assert lines == ["[bench-ready]", "[bench-done] ok", "[bench-done] ok", "[bench-done] error",
                      "[bench-done] error unknown command 'bogus'", "[bench-done] ok"]
@@ -803,7 +802,8 @@ def _commands(path: Path) -> list[tuple[float, str]]:
 def test_interleaved_modes_take_turns_point_by_point(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sweep._Worker, "module", "tests.benchmarks._fake_mode_worker")
+    monkeypatch.setattr(worker_process.WorkerProcess, "module",
+                        "tests.benchmarks._fake_mode_worker")
     monkeypatch.setenv("FAKE_STEP_MS_STOCK_GRAPHS", "2.0")
     modes = ["stock_full_decode", "plugin_graphs", "stock_graphs"]
     specs = _interleaved_specs(tmp_path, modes)
@@ -831,7 +831,8 @@ def test_interleaved_modes_take_turns_point_by_point(
 def test_interleaved_run_survives_a_dying_worker_and_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sweep._Worker, "module", "tests.benchmarks._fake_mode_worker")
+    monkeypatch.setattr(worker_process.WorkerProcess, "module",
+                        "tests.benchmarks._fake_mode_worker")
     monkeypatch.setenv("FAKE_DIE_MODE", "plugin_graphs")
     specs = _interleaved_specs(tmp_path, ["stock_full_decode", "plugin_graphs"], repeats=50)
     t_end = time.time() + 25.0  # start-ups are estimated at >= 35 s: the first is refused
@@ -882,7 +883,8 @@ def test_interleaved_budget_cuts_whole_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # an unmeasured point is estimated at 5 s a mode: 12 s hold the warm-up pass and a few more
-    monkeypatch.setattr(sweep._Worker, "module", "tests.benchmarks._fake_mode_worker")
+    monkeypatch.setattr(worker_process.WorkerProcess, "module",
+                        "tests.benchmarks._fake_mode_worker")
     monkeypatch.setattr(sweep, "MODES", {m: SimpleNamespace(startup_estimate_s=0.0)
                                          for m in ("stock_full_decode", "plugin_graphs")})
     monkeypatch.setattr(sweep, "MIN_MEASURE_S", 0.0)

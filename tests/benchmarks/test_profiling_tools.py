@@ -1,6 +1,6 @@
 """The decode-step profiling tools' host-side parts (no GPU):
-benchmarks/harness/profile_steps.py's decode driver and thread report,
-benchmarks/gpu/host_probe.py's CPU ranking, the diagnostic benchmark modes."""
+benchmarks/harness/profile_steps.py's decode driver and thread report, profile_prefill.py's
+prefill rounds, benchmarks/gpu/host_probe.py's CPU ranking, the diagnostic benchmark modes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import vllm_moe_graphs
-from benchmarks.harness import profile_steps
+from benchmarks.harness import profile_prefill, profile_steps
 from benchmarks.harness.modes import DEFAULT_MODES, MODES, STOCK_GRAPH_MODES
 from tests.benchmarks.test_benchmark_harness import _Engine
 from vllm_moe_graphs.config import PluginConfig
@@ -59,7 +59,7 @@ def test_prefill_round_steps_every_prompt_to_its_one_token(budget: int, steps: i
     engine = _Engine(budget=budget, lag=False)
     engine.prefill_sleep_s = 0.0
     llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
-    wall, n_steps = profile_steps._prefill_round(
+    wall, n_steps = profile_prefill._prefill_round(
         llm, 16, 512, 100, seed=3, make_params=lambda n: SimpleNamespace(max_tokens=n),
         make_prompt=lambda ids: {"prompt_token_ids": ids})
     # 16 x 512 = 8192 prompt tokens: one step when the budget holds them, else chunks
@@ -72,7 +72,7 @@ def test_kernel_lines_sum_gpu_kernels_per_unit_and_rank_them() -> None:
     ev = lambda key, us, n, dev=DeviceType.CUDA: SimpleNamespace(  # noqa: E731
         key=key, self_device_time_total=us, count=n, device_type=dev)
     avgs = [ev("small", 100.0, 4), ev("big", 900.0, 2), ev("host op", 5000.0, 9, DeviceType.CPU)]
-    lines = profile_steps._kernel_lines(avgs, wall_ms=4.0, n=2, unit="round")
+    lines = profile_steps.kernel_lines(avgs, wall_ms=4.0, n=2, unit="round")
     assert lines[0] == ("torch.profiler: wall 2.000 ms/round, GPU kernels 0.500 ms/round "
                         "(3 kernels/round), GPU busy 25%")
     assert lines[1] == "top kernels (us per round, count per round):"
@@ -80,10 +80,10 @@ def test_kernel_lines_sum_gpu_kernels_per_unit_and_rank_them() -> None:
 
 
 def test_prefill_token_counts_parse_or_say_what_is_wrong() -> None:
-    assert profile_steps.prefill_token_counts("2048, 8192") == [2048, 8192]
+    assert profile_prefill.prefill_token_counts("2048, 8192") == [2048, 8192]
     for bad in ("", "8k", "0", "1024,-1"):
         with pytest.raises(ValueError, match="BENCH_PROFILE_PREFILL=.*positive token counts"):
-            profile_steps.prefill_token_counts(bad)
+            profile_prefill.prefill_token_counts(bad)
 
 
 def test_thread_report_per_step_busiest_first_and_marks_main() -> None:
@@ -249,9 +249,9 @@ def test_startup_trace_only_when_asked(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_prefill_profile_needs_every_prompt_of_a_count_in_one_step(monkeypatch) -> None:
-    assert profile_steps.prefill_token_counts("2048,8192", 512, 16) == [2048, 8192]
+    assert profile_prefill.prefill_token_counts("2048,8192", 512, 16) == [2048, 8192]
     with pytest.raises(ValueError, match=r"prefills 16 prompts in one step.*--batches 1,16"):
-        profile_steps.prefill_token_counts("2048,8192", 512, 1)
+        profile_prefill.prefill_token_counts("2048,8192", 512, 1)
     # the decode benchmark says so before it starts anything
     from benchmarks.decode import bench as decode
 

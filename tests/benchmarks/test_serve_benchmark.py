@@ -15,7 +15,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from benchmarks.harness.machine import gpu_problem
 from benchmarks.serving import bench as serve
+from benchmarks.serving import options as serve_options
 from benchmarks.serving import report as serve_report
 from benchmarks.serving.load import (
     LAG_P99_LIMIT_MS,
@@ -26,8 +28,8 @@ from benchmarks.serving.load import (
     summarize,
 )
 from benchmarks.harness.stats import percentile
-from benchmarks.serving.server import IDLE_CAPTURE_DONE, IDLE_CAPTURE_ON, Server, log_facts, \
-    step_counters, step_shares
+from benchmarks.serving.server import DEFAULT_MODES, IDLE_CAPTURE_DONE, IDLE_CAPTURE_ON, \
+    OFFLOAD_READY_EXTRA_S, SERVE_MODES, Server, log_facts, step_counters, step_shares
 from tests.serve_util import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,13 +73,13 @@ def test_sampled_workload_sends_its_sampling_and_keeps_it_with_other_lengths(tmp
     assert body["ignore_eos"] and body["min_tokens"] == body["max_tokens"]  # lengths fixed
     assert json.loads(_body("m", chat[0]))["temperature"] == 0.0
     assert "top_k" not in json.loads(_body("m", chat[0]))
-    plan = serve.Plan(serve.parser().parse_args([
+    plan = serve_options.Plan(serve_options.parser().parse_args([
         "--model", "qwen3-0.6b", "--workloads", "chat_sampled", "--lengths",
         "chat_sampled:16-48:4-6", "--log-dir", str(tmp_path)]))
     (w, rates), = plan.workloads
     assert (w.prompt_len, w.output_len, w.sampling) == ((16, 48), (4, 6),
                                                         WORKLOADS["chat_sampled"].sampling)
-    assert rates == serve.DEFAULT_RATES["qwen3-0.6b"]["chat"]
+    assert rates == serve_options.DEFAULT_RATES["qwen3-0.6b"]["chat"]
     section = serve_report.workloads_section(plan.workloads)["chat_sampled"]
     assert section["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
@@ -283,7 +285,7 @@ def test_settle_waits_only_for_a_server_that_captures_while_idle(tmp_path):
     log.write_text("moe_graphs: graphs are captured lazily, on first use of each key after 1 "
                    "warm-up steps\n")  # no idle_capture: no line to wait for
     server = Server(tmp_path, [], {}, log)
-    args = serve.parser().parse_args(["--settle-timeout-s", "30"])
+    args = serve_options.parser().parse_args(["--settle-timeout-s", "30"])
     info, said = {}, []
     serve._settle(server, args, info, said.append)
     assert info == {"settle_s": None} and "nothing to settle" in said[0]
@@ -326,7 +328,7 @@ def test_settle_stops_waiting_once_idle_capture_stalls(tmp_path):
     server = Server(tmp_path, [], {}, log)
     server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
     server._proc = _stand_in_server()
-    args = serve.parser().parse_args(["--settle-timeout-s", "60", "--settle-stall-s", "1"])
+    args = serve_options.parser().parse_args(["--settle-timeout-s", "60", "--settle-stall-s", "1"])
     info, said = {}, []
     t0 = time.monotonic()
     try:
@@ -339,9 +341,9 @@ def test_settle_stops_waiting_once_idle_capture_stalls(tmp_path):
     assert "no capture in the last 1 s" in said[0] and "measuring anyway" in said[0], said
     assert len(served) >= 6 and 2.0 < waited < 20, (served, waited)  # past the 4 captures
     with pytest.raises(SystemExit):
-        serve.parser().parse_args(["--settle-stall-s", "x"])
+        serve_options.parser().parse_args(["--settle-stall-s", "x"])
     with pytest.raises(ValueError, match="--settle-stall-s must be > 0, got 0.0"):
-        serve.Plan(serve.parser().parse_args(["--settle-stall-s", "0"]))
+        serve_options.Plan(serve_options.parser().parse_args(["--settle-stall-s", "0"]))
 
 
 def test_ratio_keys_and_direction():
@@ -371,15 +373,15 @@ def test_a_second_plugin_mode_gets_its_own_ratios():
     assert not [k for k in r
                 if "_plugin_decode_only_over_plugin/" in k and not k.startswith("otps")]
     assert not [k for k in r if "_over_stock/" in k and not k.startswith("otps")]
-    assert "plugin_decode_only" in serve.SERVE_MODES
-    assert "plugin_decode_only" not in serve.DEFAULT_MODES
-    modes = serve.SERVE_MODES
+    assert "plugin_decode_only" in SERVE_MODES
+    assert "plugin_decode_only" not in DEFAULT_MODES
+    modes = SERVE_MODES
     assert modes["plugin_decode_only"].settings == {"mixed_graphs": False}
     assert modes["plugin_triton_prefill"].settings == {"prefill_attention": "triton"}
     assert not modes["plugin"].settings  # the plugin's defaults: every step graphed
-    assert "plugin_triton_prefill" not in serve.DEFAULT_MODES
+    assert "plugin_triton_prefill" not in DEFAULT_MODES
     assert modes["plugin_precapture"].settings == {"precapture": True}
-    assert "plugin_precapture" not in serve.DEFAULT_MODES
+    assert "plugin_precapture" not in DEFAULT_MODES
 
 
 def test_summarize_keeps_each_requests_values_by_index():
@@ -481,8 +483,8 @@ def test_a_result_file_carries_the_intervals_and_its_table_prints_them(tmp_path)
 def test_fine_token_mode_halves_the_bucket_spacing_from_2048_tokens():
     from vllm_moe_graphs.config import TOKEN_BUCKETS, PluginConfig
 
-    mode = serve.SERVE_MODES["plugin_fine_tokens"]
-    assert "plugin_fine_tokens" not in serve.DEFAULT_MODES
+    mode = SERVE_MODES["plugin_fine_tokens"]
+    assert "plugin_fine_tokens" not in DEFAULT_MODES
     fine = PluginConfig.from_dict(mode.settings).token_buckets
     assert set(TOKEN_BUCKETS) <= set(fine) and fine[-1] == TOKEN_BUCKETS[-1] == 8192
     assert len(fine) == len(TOKEN_BUCKETS) + 16  # 16 new buckets between the default ones
@@ -499,8 +501,8 @@ def test_eager_long_steps_mode_stops_the_token_buckets_at_4096():
     from vllm_moe_graphs.config import TOKEN_BUCKETS, PluginConfig
     from vllm_moe_graphs.graphs.buckets import graph_config
 
-    mode = serve.SERVE_MODES["plugin_eager_long_steps"]
-    assert "plugin_eager_long_steps" not in serve.DEFAULT_MODES
+    mode = SERVE_MODES["plugin_eager_long_steps"]
+    assert "plugin_eager_long_steps" not in DEFAULT_MODES
     short = PluginConfig.from_dict(mode.settings)
     assert short.token_buckets == tuple(b for b in TOKEN_BUCKETS if b <= 4096)
     assert short.token_buckets[-1] == 4096
@@ -511,8 +513,8 @@ def test_eager_long_steps_mode_stops_the_token_buckets_at_4096():
 def test_wide_mixed_keys_mode_pads_mixed_requests_to_the_largest_decode_bucket():
     from vllm_moe_graphs.config import PluginConfig
 
-    mode = serve.SERVE_MODES["plugin_wide_mixed_keys"]
-    assert "plugin_wide_mixed_keys" not in serve.DEFAULT_MODES
+    mode = SERVE_MODES["plugin_wide_mixed_keys"]
+    assert "plugin_wide_mixed_keys" not in DEFAULT_MODES
     cfg = PluginConfig.from_dict(mode.settings)
     assert cfg.mixed_requests == cfg.decode_batch_buckets[-1] == 1024
     assert PluginConfig().mixed_requests == 256
@@ -521,7 +523,7 @@ def test_wide_mixed_keys_mode_pads_mixed_requests_to_the_largest_decode_bucket()
 def test_every_plugin_mode_passes_a_valid_plugin_config():
     from vllm_moe_graphs.config import PluginConfig
 
-    for name, mode in serve.SERVE_MODES.items():
+    for name, mode in SERVE_MODES.items():
         assert mode.plugin == name.startswith("plugin"), name
         if not mode.settings:
             continue
@@ -533,13 +535,13 @@ def test_every_plugin_mode_passes_a_valid_plugin_config():
 def test_plugin_config_reaches_every_plugin_server_under_the_modes_own(tmp_path):
     """--plugin-config: every plugin mode's server gets it (a mode's own settings win), no
     stock server does; idle_capture in it makes the plugin's servers settle after ready."""
-    args = serve.parser().parse_args([
+    args = serve_options.parser().parse_args([
         "--model", "qwen3-0.6b", "--log-dir", str(tmp_path), "--plugin-config",
         '{"skip_moe_padding": true, "idle_capture": true, "mixed_graphs": true}'])
-    plan = serve.Plan(args)
+    plan = serve_options.Plan(args)
 
     def settings(mode):
-        a = plan.server_args(serve.SERVE_MODES[mode], "default", [], 29)
+        a = plan.server_args(SERVE_MODES[mode], "default", [], 29)
         if "--additional-config" not in a:
             return None
         return json.loads(a[a.index("--additional-config") + 1])["moe_graphs"]
@@ -549,17 +551,17 @@ def test_plugin_config_reaches_every_plugin_server_under_the_modes_own(tmp_path)
     assert settings("plugin_decode_only") == {"skip_moe_padding": True, "idle_capture": True,
                                               "mixed_graphs": False}
     assert settings("stock") is None and settings("stock_triton") is None
-    assert plan.settles(serve.SERVE_MODES["plugin"])
-    assert not plan.settles(serve.SERVE_MODES["stock"])
-    plain = serve.Plan(serve.parser().parse_args(["--model", "qwen3-0.6b", "--log-dir",
-                                                  str(tmp_path)]))
-    assert plain.server_args(serve.SERVE_MODES["plugin"], "default", [], 29)[-1] == "qwen3-0.6b"
-    assert plain.settles(serve.SERVE_MODES["plugin"])  # idle_capture is on by default
-    assert not plain.settles(serve.SERVE_MODES["plugin_lazy_capture"])
-    assert not plain.settles(serve.SERVE_MODES["stock"])
+    assert plan.settles(SERVE_MODES["plugin"])
+    assert not plan.settles(SERVE_MODES["stock"])
+    plain = serve_options.Plan(serve_options.parser().parse_args(
+        ["--model", "qwen3-0.6b", "--log-dir", str(tmp_path)]))
+    assert plain.server_args(SERVE_MODES["plugin"], "default", [], 29)[-1] == "qwen3-0.6b"
+    assert plain.settles(SERVE_MODES["plugin"])  # idle_capture is on by default
+    assert not plain.settles(SERVE_MODES["plugin_lazy_capture"])
+    assert not plain.settles(SERVE_MODES["stock"])
     # settling counts in the time budget's estimate
-    assert serve.mode_cost_s(plain, serve.SERVE_MODES["plugin"], args) == pytest.approx(
-        serve.mode_cost_s(plain, serve.SERVE_MODES["plugin_lazy_capture"], args) + 30.0)
+    assert serve_options.mode_cost_s(plain, SERVE_MODES["plugin"], args) == pytest.approx(
+        serve_options.mode_cost_s(plain, SERVE_MODES["plugin_lazy_capture"], args) + 30.0)
 
 
 def test_saturation_is_the_latency_knee():
@@ -653,12 +655,12 @@ def _cli(*args, env=None, timeout=120):
 
 def test_help_documents_every_option():
     out = _cli("--help").stdout
-    for action in serve.parser()._actions:
+    for action in serve_options.parser()._actions:
         for flag in action.option_strings:
             assert flag in out
     for name in ("plugin", "stock_triton", "moe_offload", "qwen3-30b-a3b", "merge", "targets"):
         assert name in out
-    for mode in serve.SERVE_MODES.values():  # a long name sits on its own line, not run on
+    for mode in SERVE_MODES.values():  # a long name sits on its own line, not run on
         assert f"  {mode.name} " in out or f"  {mode.name}\n" in out, mode.name
 
 
@@ -670,9 +672,9 @@ def test_dry_run_prints_the_plan_and_whether_it_fits_the_budget(tmp_path):
     small = _cli(*common, "--time-budget-s", "200")
     assert small.returncode == 0, small.stderr
     out = small.stdout
-    args = serve.parser().parse_args(list(common))
-    plan = serve.Plan(args)
-    costs = {m.name: serve.mode_cost_s(plan, m, args) for m in plan.modes}
+    args = serve_options.parser().parse_args(list(common))
+    plan = serve_options.Plan(args)
+    costs = {m.name: serve_options.mode_cost_s(plan, m, args) for m in plan.modes}
     for name, cost in costs.items():
         assert f"{name}: ~{cost:.0f} s" in out
     assert f"total ~{sum(costs.values()):.0f} s" in out and "does NOT fit" in out
@@ -688,7 +690,7 @@ def test_dry_run_prints_the_plan_and_whether_it_fits_the_budget(tmp_path):
     assert not list(temp.iterdir())  # the shape's config folder it planned with is gone
 
 
-@pytest.mark.skipif(serve.gpu_problem() is None, reason="this machine has a GPU")
+@pytest.mark.skipif(gpu_problem() is None, reason="this machine has a GPU")
 def test_without_gpu_fails_fast_with_the_reason(tmp_path):
     proc = _cli("--results-dir", str(tmp_path))
     assert proc.returncode == serve.EXIT_NO_GPU
@@ -752,20 +754,20 @@ def test_serve_benchmark_end_to_end_on_cpu_vllm(tiny_qwen3, cpu_vllm, tmp_path):
 
 
 def test_time_budget_weights_modes_by_their_cost(tmp_path):
-    args = serve.parser().parse_args(["--model", "qwen3-30b-a3b", "--rates", "chat:4,8",
+    args = serve_options.parser().parse_args(["--model", "qwen3-30b-a3b", "--rates", "chat:4,8",
                                       "--rates", "long:1", "--rates", "moe_offload:2",
                                       "--log-dir", str(tmp_path)])
-    plan = serve.Plan(args)
-    plugin, stock = (serve.mode_cost_s(plan, serve.SERVE_MODES[m], args)
+    plan = serve_options.Plan(args)
+    plugin, stock = (serve_options.mode_cost_s(plan, SERVE_MODES[m], args)
                      for m in ("plugin", "stock"))
     # warm-ups at every measured rate by default: chat at 4 and 8, long at 1, moe_offload at 2
-    windows = 4 * (args.warmup_s + 8) + sum(serve._window_s(args, r) for r in (4, 8, 1, 2))
+    windows = 4 * (args.warmup_s + 8) + sum(serve_options.window_s(args, r) for r in (4, 8, 1, 2))
     # two plugin servers, each settling its idle capture after ready (30 s by estimate)
-    assert plugin == pytest.approx(2 * (60 + 30) + serve.OFFLOAD_READY_EXTRA_S + windows)
+    assert plugin == pytest.approx(2 * (60 + 30) + OFFLOAD_READY_EXTRA_S + windows)
     assert stock - plugin == pytest.approx(2 * 10)
     args.warmup_rates = "max"  # one warm-up per workload, at its highest rate
-    assert serve.mode_cost_s(plan, serve.SERVE_MODES["plugin"], args) == pytest.approx(
+    assert serve_options.mode_cost_s(plan, SERVE_MODES["plugin"], args) == pytest.approx(
         plugin - (args.warmup_s + 8))
-    assert serve._warmup_rates(args, [8, 2, 4]) == [8]
+    assert serve_options.warmup_rates(args, [8, 2, 4]) == [8]
     args.warmup_rates = "all"
-    assert serve._warmup_rates(args, [8, 2, 4, 2]) == [2, 4, 8]
+    assert serve_options.warmup_rates(args, [8, 2, 4, 2]) == [2, 4, 8]

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import sweep
+from benchmarks.harness import worker_process
 from benchmarks.startup import bench as startup
 
 
 def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> dict:
-    monkeypatch.setattr(sweep._Worker, "module", "tests.benchmarks._fake_mode_worker")
+    monkeypatch.setattr(worker_process.WorkerProcess, "module",
+                        "tests.benchmarks._fake_mode_worker")
     monkeypatch.setattr(startup, "prime", lambda *a: {"fake": True})
     rc = startup.main(["--modes", "stock_graphs,stock_full_decode_nc,plugin_graphs",
                        "--allow-cpu", "--results-dir", str(tmp_path), "--log-dir",
