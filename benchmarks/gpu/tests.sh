@@ -37,15 +37,16 @@ mkdir -p "$OUT"
 . benchmarks/gpu/env.sh || exit 3
 export MOE_GRAPHS_TEST_OUT=$OUT
 if [ "${1:-}" = tier ]; then
-  # the whole tier, balanced by the tests' durations on the H200 (the engine parity tests of
-  # the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU)
+  # the whole tier, balanced by the tests' durations on the H100 and H200 (the engine parity
+  # tests of the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU;
+  # the first lane, unit and kernel tests, 7.7 minutes on the H200 and ~9 on the H100)
   T=tests/graphs/test_gpu_integration.py
   # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (all 48
   # are ~61 GB of weights, more than an H100 holds beside the other lanes)
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
-    tests/graphs/test_gpu_refusals.py + -m gpu tests/graphs/test_gpu_numerics.py \
+    + -m gpu tests/graphs/test_gpu_numerics.py tests/graphs/test_gpu_refusals.py \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
     "$T::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
     + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
