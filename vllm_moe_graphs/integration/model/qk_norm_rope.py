@@ -1,17 +1,16 @@
 """Qwen3 attention with Q/K RMSNorm and RoPE in one launch (vLLM's own fused CUDA kernel).
 
-On by default (config key `fuse_qk_norm_rope`; measured with the small-M GEMM on the H200, the
-run in git history; parity in `benchmarks/results/gpu-tests-h200.json`,
-`parity-experimental-kernels`). Without torch.compile (the plugin's decode graphs run vLLM uncompiled), Qwen3's attention
-launches three kernels between the QKV projection and attention in every layer: q RMSNorm,
-k RMSNorm, RoPE (~170 us of a 1.5 ms Qwen3-0.6B decode step at batch 1 on an H200,
-docs/benchmarking.md). vLLM 0.26 ships `torch.ops._C.fused_qk_norm_rope`, which does all three
-in place on the QKV output; its compile pass (`QKNormRoPEFusionPass`) uses it only under
-torch.compile. When on, every exactly-typed `Qwen3Attention` / `Qwen3MoeAttention` whose
-geometry the kernel supports gets `fused_forward` as its forward (an instance attribute: the
-class is untouched); eager and replayed steps use it alike, so graphs vs kill switch stay
-token-identical. Its rounding differs slightly from the unfused path (no bf16 round trip
-between norm and RoPE).
+On by default (config key `fuse_qk_norm_rope`; measured with the small-M GEMM on the H200, the run
+in git history; parity in `benchmarks/results/gpu-tests-h100.json`, `parity-experimental-kernels`).
+Without torch.compile (the plugin's decode graphs run vLLM uncompiled), Qwen3's attention launches
+three kernels between the QKV projection and attention in every layer: q RMSNorm, k RMSNorm, RoPE
+(~170 us of a 1.5 ms Qwen3-0.6B decode step at batch 1 on an H200, docs/benchmarking.md). vLLM 0.26
+ships `torch.ops._C.fused_qk_norm_rope`, which does all three in place on the QKV output; its
+compile pass (`QKNormRoPEFusionPass`) uses it only under torch.compile. When on, every
+exactly-typed `Qwen3Attention` / `Qwen3MoeAttention` whose geometry the kernel supports gets
+`fused_forward` as its forward (an instance attribute: the class is untouched); eager and replayed
+steps use it alike, so graphs vs kill switch stay token-identical. Its rounding differs slightly
+from the unfused path (no bf16 round trip between norm and RoPE).
 
 Refused, leaving the module as vLLM built it: the op missing from this vLLM build (e.g. the CPU
 build), a head size the kernel lacks, partial rotary, a rotary embedding that is not exactly
