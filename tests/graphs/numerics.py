@@ -26,6 +26,48 @@ from tests.gpu_util import REPO, engine_env
 MEAN_FACTOR, MAX_FACTOR, TOP1_GAP_NATS = 1.5, 2.0, 0.1
 INFORMATIVE_TOP1_LOGPROB = -10.5  # flat logits (vLLM's raw dummy weights) sit at -ln V
 
+# To find where a difference comes from: {shape: {name: variant}} in this variable runs one
+# more engine per entry, each scored by the same stock engine and reported beside the defaults
+# (not asserted). A variant: {"moe_graphs": settings} (the plugin with these settings, e.g.
+# {"small_m_gemm": false}), {"stock": true} (the plugin rolled back), and "llm_kwargs" added to
+# the engine's arguments (e.g. {"stock": true, "llm_kwargs": {"enforce_eager": true}}: stock
+# vLLM without torch.compile or graphs). The value `diagnose` runs DIAGNOSIS on every shape:
+# stock uncompiled (does torch.compile make the difference?) and the plugin with each of its
+# own kernels in the forward turned back to vLLM's.
+VARIANTS_ENV = "MOE_GRAPHS_TEST_NUMERICS_VARIANTS"
+DIAGNOSIS = {
+    "stock_eager": {"stock": True, "llm_kwargs": {"enforce_eager": True}},
+    "unfused_qk_norm_rope": {"moe_graphs": {"fuse_qk_norm_rope": False}},
+    "cublas_linears": {"moe_graphs": {"small_m_gemm": False}},
+    "logits_after_forward": {"moe_graphs": {"logits_in_graph": False}},
+}
+
+
+def variants(text: str | None, shape: str) -> dict[str, dict]:
+    """The variants `text` (VARIANTS_ENV's value) asks for on `shape`."""
+    text = (text or "").strip() or "{}"
+    if text == "diagnose":
+        return DIAGNOSIS
+    try:
+        asked = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{VARIANTS_ENV}={text!r} is neither `diagnose` nor JSON "
+                         f"{{shape: {{name: variant}}}}: {e}") from None
+    return asked.get(shape, {})
+
+
+def variant_spec(spec: dict, variant: dict) -> dict:
+    """`spec` for one variant's engine: its `llm_kwargs` added, its `moe_graphs` settings as
+    the engine's additional_config."""
+    unknown = set(variant) - {"stock", "moe_graphs", "llm_kwargs"}
+    if unknown:
+        raise ValueError(f"unknown variant keys {sorted(unknown)}; a variant takes `stock`, "
+                         "`moe_graphs` and `llm_kwargs`")
+    kwargs = {**spec["llm_kwargs"], **variant.get("llm_kwargs", {})}
+    if "moe_graphs" in variant:
+        kwargs["additional_config"] = {"moe_graphs": variant["moe_graphs"]}
+    return {**spec, "llm_kwargs": kwargs}
+
 
 def prompts(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
     """`n` prompts of 16-250 random token ids."""

@@ -28,20 +28,6 @@ SHAPES = {"qwen3-0.6b": 28, "qwen3-30b-a3b": 48,
           **json.loads(os.environ.get(LAYERS_ENV) or "{}")}
 MAX_TOKENS = 64
 TIMEOUT_S = engine_timeout_s(420)
-# To find where a difference comes from: {shape: {name: variant}} in this variable runs one
-# more engine per entry, each scored by the same stock engine and reported beside the defaults
-# (not asserted). A variant: {"moe_graphs": settings} (the plugin with these settings, e.g.
-# {"small_m_gemm": false}), {"stock": true} (the plugin rolled back), and "llm_kwargs" added to
-# the engine's arguments (e.g. {"stock": true, "llm_kwargs": {"enforce_eager": true}}: stock
-# vLLM without torch.compile or graphs).
-VARIANTS_ENV = "MOE_GRAPHS_TEST_NUMERICS_VARIANTS"
-
-
-def _variant_spec(spec: dict, variant: dict) -> dict:
-    kwargs = {**spec["llm_kwargs"], **variant.get("llm_kwargs", {})}
-    if "moe_graphs" in variant:
-        kwargs["additional_config"] = {"moe_graphs": variant["moe_graphs"]}
-    return {**spec, "llm_kwargs": kwargs}
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +44,8 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
     spec = {"llm_kwargs": llm_kwargs, "prompts": numerics.prompts(vocab),
             "max_tokens": MAX_TOKENS, "seed": 0}
     plugin = numerics.run(tmp_path, f"{shape}-plugin", spec, plugin=True, timeout_s=TIMEOUT_S)
-    variants = json.loads(os.environ.get(VARIANTS_ENV) or "{}").get(shape, {})
-    runs = {name: numerics.run(tmp_path, f"{shape}-{name}", _variant_spec(spec, variant),
+    variants = numerics.variants(os.environ.get(numerics.VARIANTS_ENV), shape)
+    runs = {name: numerics.run(tmp_path, f"{shape}-{name}", numerics.variant_spec(spec, variant),
                                plugin=not variant.get("stock"), timeout_s=TIMEOUT_S)
             for name, variant in variants.items()}
     score = {f"{name}_tokens": [{"ids": p + t, "generated": len(t)}

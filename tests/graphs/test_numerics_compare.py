@@ -46,3 +46,25 @@ def test_stocks_own_tokens_not_ranked_first_by_its_scoring_are_its_floor():
     s = numerics.compare(plugin, stock)
     assert s["not_top1"] == 0
     assert s["floor_not_top1"] == 1 and s["floor_worst_top1_gap"] == pytest.approx(0.2)
+
+
+def test_variants_diagnose_preset_json_and_bad_values():
+    assert numerics.variants(None, "qwen3-0.6b") == {}
+    assert numerics.variants(" diagnose ", "qwen3-0.6b") is numerics.DIAGNOSIS
+    asked = '{"qwen3-0.6b": {"gemm": {"moe_graphs": {"small_m_gemm": false}}}}'
+    assert numerics.variants(asked, "qwen3-0.6b") == {
+        "gemm": {"moe_graphs": {"small_m_gemm": False}}}
+    assert numerics.variants(asked, "qwen3-30b-a3b") == {}
+    with pytest.raises(ValueError, match="neither `diagnose` nor JSON"):
+        numerics.variants("diagnos", "qwen3-0.6b")
+
+
+def test_variant_spec_adds_arguments_and_settings():
+    spec = {"llm_kwargs": {"model": "m", "seed": 0}, "prompts": [[1]]}
+    stock = numerics.variant_spec(spec, numerics.DIAGNOSIS["stock_eager"])
+    assert stock["llm_kwargs"] == {"model": "m", "seed": 0, "enforce_eager": True}
+    plugin = numerics.variant_spec(spec, numerics.DIAGNOSIS["cublas_linears"])
+    assert plugin["llm_kwargs"]["additional_config"] == {"moe_graphs": {"small_m_gemm": False}}
+    assert spec["llm_kwargs"] == {"model": "m", "seed": 0}  # the defaults' spec unchanged
+    with pytest.raises(ValueError, match="unknown variant keys"):
+        numerics.variant_spec(spec, {"settings": {}})
