@@ -98,10 +98,24 @@ def run(tmp_path, name: str, spec: dict, *, plugin: bool, timeout_s: float) -> d
     return result
 
 
-def _diffs(reported: list[list[float]], scored: list[list[list]]) -> list[float]:
-    """|reported - scored| per generated token, over every sequence."""
+def _diffs(reported: list[list[float]], scored: list[list[list]],
+           positions: slice = slice(None)) -> list[float]:
+    """|reported - scored| per generated token at `positions` of each sequence."""
     return [abs(lp - row[0]) for seq_lp, seq_rows in zip(reported, scored, strict=True)
-            for lp, row in zip(seq_lp, seq_rows, strict=True)]
+            for lp, row in zip(seq_lp[positions], seq_rows[positions], strict=True)]
+
+
+def _by_step(plugin: dict, stock: dict) -> dict:
+    """The mean |difference| of the first generated token (the prefill step's) and of the
+    rest (decode steps), the plugin's and the floor's: which path a difference comes from."""
+    out = {}
+    for name, pos in (("prefill_token", slice(0, 1)), ("decode_tokens", slice(1, None))):
+        ours = _diffs(plugin["logprobs"], stock["scores"]["plugin_tokens"], pos)
+        floor = _diffs(stock["logprobs"], stock["scores"]["stock_tokens"], pos)
+        if ours and floor:
+            out[name] = {"plugin_mean": statistics.fmean(ours),
+                         "floor_mean": statistics.fmean(floor)}
+    return out
 
 
 def _not_top1(tokens: list[list[int]], scored: list[list[list]]) -> list[float]:
@@ -130,6 +144,7 @@ stock's own: its greedy tokens (its decode path) against its scoring pass (its p
         "floor_not_top1": len(floor_not_top1),
         "floor_worst_top1_gap": max(floor_not_top1, default=0.0),
         "identical_sequences": same, "sequences": len(plugin["tokens"]),
+        "by_step": _by_step(plugin, stock),
         "mean_top1_logprob": statistics.fmean(
             row[1] for rows in stock["scores"]["stock_tokens"] for row in rows),
     }

@@ -21,6 +21,10 @@ def test_within_the_floor():
     s = numerics.compare(plugin, stock)
     assert s["tokens"] == 2 and s["not_top1"] == 0 and s["identical_sequences"] == 1
     assert s["plugin_mean"] == pytest.approx(0.015) and s["floor_max"] == pytest.approx(0.03)
+    assert s["by_step"]["prefill_token"] == pytest.approx({"plugin_mean": 0.01,
+                                                           "floor_mean": 0.01})
+    assert s["by_step"]["decode_tokens"] == pytest.approx({"plugin_mean": 0.02,
+                                                           "floor_mean": 0.03})
     assert numerics.check(s) == []
 
 
