@@ -15,9 +15,10 @@ Design, per program = (sequence b, kv head h, split s):
   *bucket* (`decode_plan.choose_num_splits`), never from data; chunk bounds are computed in
   the kernel from seq_lens. Each split writes (acc, max, sum) to the workspace and `_decode_reduce_kernel`
   merges them with a log-sum-exp rescale, which is exact up to fp32 rounding.
-FP8 KV cache (`kv_quant.py`): each K/V tile is dequantized after its load, (fp8 * scale) in the
-query's dtype as vLLM does, with k_scale / v_scale read once per program from device memory; a
-constexpr switch, so the kernel of an unquantized cache is the one it was without FP8.
+FP8 KV cache (`kv_quant.py`): each K/V tile is dequantized after its load, fp8 * scale rounded
+to the dtype the tile is multiplied in (the query's for tl.dot, as vLLM does; float32 for the
+multiply-reduce), with k_scale / v_scale read once per program from device memory; a constexpr
+switch, so the kernel of an unquantized cache is the one it was without FP8.
 Graph safety: the launchers read only shapes and host constants; no allocation, no sync.
 """
 
