@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-          torch.uint8: "u8", torch.bool: "i1"}
+          torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages")
 H200_SHARED_BYTES = 232448  # 227 KiB: the most shared memory one block may use on sm_90
 
@@ -159,6 +159,44 @@ def test_every_kernel_compiles_for_the_h200(launches) -> None:
     # a block's shared memory within the H200's limit, else its launch fails out of resources
     too_big = [(name, shared) for name, shared in compiled if shared > H200_SHARED_BYTES]
     assert not too_big, f"shared memory past the H200's {H200_SHARED_BYTES} bytes: {too_big}"
+
+
+def test_fp8_kv_kernels_compile_for_the_h200(launches) -> None:
+    """The FP8 KV cache variants (bf16 rows and queries, a float8e4nv cache, scales loaded from
+    device memory) of the KV write, decode split and unsplit, and prefill compile for sm_90 too,
+    within one block's shared memory."""
+    from vllm_moe_graphs.ops import (
+        FP8_KV_DTYPE,
+        decode_workspace_shape,
+        paged_decode_attention,
+        paged_prefill_attention,
+        split_kv_cache,
+        write_kv,
+    )
+
+    bf16, d, bs, nb, hq, hkv = torch.bfloat16, 128, 16, 8, 32, 4  # Qwen3-30B-A3B's attention
+    key_cache, value_cache = split_kv_cache(torch.zeros(nb, hkv, bs, 2 * d, dtype=FP8_KV_DTYPE), d)
+    k_scale, v_scale = torch.ones(1), torch.ones(1)
+    rows = torch.zeros(4, hkv, d, dtype=bf16)
+    write_kv(rows, rows, key_cache, value_cache, torch.zeros(4, dtype=torch.int64), k_scale,
+             v_scale)
+    query, table, lens = torch.zeros(4, hq, d, dtype=bf16), torch.zeros(4, nb, dtype=torch.int32), \
+        torch.ones(4, dtype=torch.int32)
+    for splits in (1, 4):
+        paged_decode_attention(torch.empty_like(query), query, key_cache, value_cache, table, lens,
+                               d ** -0.5, num_splits=splits,
+                               workspace=torch.zeros(decode_workspace_shape(4, hq, d, splits)),
+                               k_scale=k_scale, v_scale=v_scale)
+    paged_prefill_attention(torch.empty_like(query), query, key_cache, value_cache, table,
+                            torch.tensor([0, 3, 4], dtype=torch.int32), lens, d ** -0.5,
+                            max_query_len=256, k_scale=k_scale, v_scale=v_scale)
+    assert all(spec["constants"].get("KV_FP8") for spec in launches
+               if spec["name"] != "_decode_reduce_kernel"), launches
+    proc = _compile(launches)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = json.loads(proc.stdout.split("COMPILED ", 1)[1])
+    assert len(compiled) == len(launches) == 5, [spec["name"] for spec in launches]
+    assert all(shared <= H200_SHARED_BYTES for _, shared in compiled), compiled
 
 
 def test_a_constexpr_fed_a_runtime_value_fails_to_compile(launches) -> None:

@@ -1,5 +1,6 @@
 """The plugin's Triton kernels: attention over vLLM 0.26's paged KV cache (paged decode with GQA
-and split-K, KV write, varlen/chunked prefill), the small-M GEMM of decode-time linear layers
+and split-K, KV write, varlen/chunked prefill; caches of the model's dtype or FP8 e4m3 with
+per-tensor scales, `kv_quant`), the small-M GEMM of decode-time linear layers
 and the MoE routing that sends padding rows to a sentinel expert (`moe_router`). `reference`
 holds pure-torch references for tests and benchmarks; import it explicitly.
 
@@ -9,9 +10,13 @@ on CPU tensors; that variable must be set before this package is first imported.
 
 from __future__ import annotations
 
+from vllm_moe_graphs.ops.kv_quant import (
+    FP8_KV_DTYPE,
+    SUPPORTED_DTYPES,
+    SUPPORTED_KV_CACHE_DTYPES,
+)
 from vllm_moe_graphs.ops.kv_write import (
     SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
     split_kv_cache,
     write_kv,
@@ -33,9 +38,11 @@ from vllm_moe_graphs.ops.small_m_plan import (
 )
 
 __all__ = [
+    "FP8_KV_DTYPE",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
+    "SUPPORTED_KV_CACHE_DTYPES",
     "DecodeKernelConfig",
     "PrefillKernelConfig",
     "SmallMGemmConfig",

@@ -14,6 +14,9 @@ must be 1. `split_kv_cache` builds those views from the per-layer tensors that e
   `kv_cache.transpose(1, 2).split(D, dim=-1)`, which is what we do too. Page padding
   (`page_size_padded`) only changes the block stride, which we read from the view.
 - [NB, 2, BS, Hkv, D] (the flash-attn style layout): `kv_cache[:, 0]`, `kv_cache[:, 1]`.
+
+A cache holds the model's dtype (bf16 / fp16 / fp32; the write moves bits) or FP8 e4m3 with
+per-tensor scales (`kv_quant.py`: the write quantizes, the attention kernels dequantize).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ import triton
 import triton.language as tl
 
 from vllm_moe_graphs.capability import SUPPORTED_HEAD_SIZES  # one definition, no torch there
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+from vllm_moe_graphs.ops.kv_quant import (
+    check_dtype,
+    check_kv_cache_dtype,
+    check_kv_scales,
+    dequantize_kv,
+    quantize_e4m3,
+)
+
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (16, 32, 64)
 
 # Same-width integer dtypes: the write kernel moves bits, never values.
@@ -44,14 +54,6 @@ def check_head_size(head_size: int) -> None:
         raise NotImplementedError(
             f"head size {head_size} is not supported by the vllm_moe_graphs attention kernels "
             f"(supported: {SUPPORTED_HEAD_SIZES})"
-        )
-
-
-def check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise NotImplementedError(
-            f"dtype {dtype} is not supported by the vllm_moe_graphs attention kernels "
-            f"(supported: {SUPPORTED_DTYPES}); quantized KV caches are not implemented"
         )
 
 
@@ -81,7 +83,7 @@ def check_kv_caches(
         raise ValueError(
             f"key_cache and value_cache dtypes differ: {key_cache.dtype} vs {value_cache.dtype}"
         )
-    check_dtype(key_cache.dtype)
+    check_kv_cache_dtype(key_cache.dtype)
     check_head_size(key_cache.shape[3])
     if key_cache.shape[3] != head_size:
         raise ValueError(
@@ -132,11 +134,13 @@ def kv_cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
 
 
 def check_attention_io(query: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, scale: object,
-                       rows: str) -> tuple[int, int, int, int, int]:
+                       value_cache: torch.Tensor, scale: object, rows: str,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                       ) -> tuple[int, int, int, int, int, bool]:
     """The checks every paged attention launcher makes of its query [R, Hq, D], out (same
-    shape and dtype), caches and scale (a Python float: a tensor would force a host sync);
-    `rows` names R in messages. Returns (R, Hq, D, block size, Hkv)."""
+    shape and dtype), caches (the query's dtype, or FP8 with k_scale / v_scale tensors) and
+    scale (a Python float: a tensor would force a host sync); `rows` names R in messages.
+    Returns (R, Hq, D, block size, Hkv, whether the cache is FP8)."""
     if isinstance(scale, torch.Tensor):
         raise ValueError("scale must be a Python float: a tensor would force a host sync")
     head_size = query.shape[-1]
@@ -155,21 +159,24 @@ def check_attention_io(query: torch.Tensor, out: torch.Tensor, key_cache: torch.
     check_token_tensor("out", out, num_q_heads, head_size)
     if out.shape[0] != num_rows:
         raise ValueError(f"out has {out.shape[0]} rows, query has {num_rows}")
-    if query.dtype != key_cache.dtype or out.dtype != query.dtype:
+    kv_fp8 = check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.device)
+    if (not kv_fp8 and query.dtype != key_cache.dtype) or out.dtype != query.dtype:
         raise ValueError(
-            f"query, out and cache dtypes must match, got {query.dtype}, {out.dtype}, "
-            f"{key_cache.dtype}"
+            f"query, out and cache dtypes must match (or the cache be FP8), got {query.dtype}, "
+            f"{out.dtype}, {key_cache.dtype}"
         )
-    return num_rows, num_q_heads, head_size, block_size, num_kv_heads
+    return num_rows, num_q_heads, head_size, block_size, num_kv_heads, kv_fp8
 
 
 @triton.jit
 def load_kv_tile(bt_row, k_base, v_base, start, end, offs_n, offs_d, stride_k_block,
-                 stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE: tl.constexpr):
+                 stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale,
+                 BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
     """Inside a paged kernel: K and V [BLOCK_N, D] of KV positions `start + offs_n` of one
     sequence (block-table row `bt_row`, head bases `k_base` / `v_base`), gathered over
-    BLOCK_N // BLOCK_SIZE pages; positions >= `end` read nothing and load 0. Returns
-    (k, v, positions, mask)."""
+    BLOCK_N // BLOCK_SIZE pages; positions >= `end` read nothing and load 0. An FP8 cache
+    (KV_FP8) is dequantized to DTYPE with the fp32 scalars k_scale / v_scale; otherwise the
+    scales are unused and the tiles keep the cache's dtype. Returns (k, v, positions, mask)."""
     pos = start + offs_n  # [BLOCK_N]
     mask = pos < end
     page = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
@@ -184,6 +191,9 @@ def load_kv_tile(bt_row, k_base, v_base, start, end, offs_n, offs_d, stride_k_bl
         mask=mask[:, None],
         other=0.0,
     )
+    if KV_FP8:
+        k = dequantize_kv(k, k_scale, DTYPE)
+        v = dequantize_kv(v, v_scale, DTYPE)
     return k, v, pos, mask
 
 
@@ -212,11 +222,13 @@ def split_kv_cache(
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr,  # [T, Hkv, D] integer view of the new keys
-    value_ptr,  # [T, Hkv, D] integer view of the new values
-    key_cache_ptr,  # [NB, BS, Hkv, D] integer view, strided
-    value_cache_ptr,  # [NB, BS, Hkv, D] integer view, strided
+    key_ptr,  # [T, Hkv, D] new keys: an integer view, or the keys themselves when KV_FP8
+    value_ptr,  # [T, Hkv, D] new values, the same
+    key_cache_ptr,  # [NB, BS, Hkv, D] strided: an integer view, or float8e4nv when KV_FP8
+    value_cache_ptr,  # [NB, BS, Hkv, D] strided, the same
     slot_mapping_ptr,  # [T] int64, slot = block * BS + offset, -1 = padding
+    k_scale_ptr,  # [1] float32 when KV_FP8, else None
+    v_scale_ptr,  # [1] float32 when KV_FP8, else None
     stride_key_t: tl.int64,
     stride_key_h: tl.int64,
     stride_value_t: tl.int64,
@@ -231,6 +243,7 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,  # next power of 2 of NUM_KV_HEADS
     HEAD_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # quantize to the FP8 cache; else move bits
 ):
     # One program copies all heads of one token: a [HEADS_PAD, D] tile for K and one for V.
     token = tl.program_id(0).to(tl.int64)
@@ -260,8 +273,15 @@ def _write_kv_kernel(
         + offs_h[:, None] * stride_vc_head
         + offs_d[None, :]
     )
-    tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+    # NOTE: the scales are read here, at run time: a captured graph follows their values.
+    k = tl.load(src_k, mask=mask)
+    if KV_FP8:
+        k = quantize_e4m3(k.to(tl.float32), tl.load(k_scale_ptr))
+    tl.store(dst_k, k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    if KV_FP8:
+        v = quantize_e4m3(v.to(tl.float32), tl.load(v_scale_ptr))
+    tl.store(dst_v, v, mask=mask)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -273,13 +293,17 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter new K/V rows into the paged cache, byte for byte.
+    """Scatter new K/V rows into the paged cache: byte for byte, or quantized to FP8.
 
     key, value: [T, Hkv, D] (any token/head strides, unit stride on D); key_cache, value_cache:
     [NB, BS, Hkv, D] strided views; slot_mapping: [T] int64 with slot = block * BS + offset and
-    -1 for padded tokens, which are skipped (their cache bytes stay untouched). The copy moves
-    raw bits, so the dtypes of the new rows and of the cache must match (ValueError otherwise).
+    -1 for padded tokens, which are skipped (their cache bytes stay untouched). A cache of the
+    rows' dtype gets their raw bits (other dtype pairs raise ValueError); an FP8 e4m3 cache gets
+    e4m3(x / scale) as vLLM writes it, with k_scale / v_scale float32 tensors of one element
+    read on the device (required then; not read for other caches).
     Graph safe: no allocation, no host sync; the grid is (T,).
     """
     # NOTE: padding is skipped inside the kernel (slot -1); never filter slot_mapping on the
@@ -287,7 +311,11 @@ def write_kv(
     head_size = key.shape[-1]
     check_head_size(head_size)
     block_size, num_kv_heads = check_kv_caches(key_cache, value_cache, head_size)
-    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+    kv_fp8 = check_kv_scales(key_cache.dtype, k_scale, v_scale, key_cache.device)
+    if kv_fp8:
+        check_dtype(key.dtype)
+        check_dtype(value.dtype)
+    elif key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
         raise ValueError(
             f"write_kv copies bytes and does not convert: key/value are {key.dtype}/{value.dtype} "
             f"but the cache is {key_cache.dtype}"
@@ -305,15 +333,20 @@ def write_kv(
     if num_tokens == 0:
         return
 
-    bits = _BITS_DTYPE[key.dtype]
-    key_bits, value_bits = key.view(bits), value.view(bits)
-    kc_bits, vc_bits = key_cache.view(bits), value_cache.view(bits)
+    if kv_fp8:  # values are converted: the kernel sees the real dtypes
+        key_bits, value_bits, kc_bits, vc_bits = key, value, key_cache, value_cache
+    else:
+        bits = _BITS_DTYPE[key.dtype]
+        key_bits, value_bits = key.view(bits), value.view(bits)
+        kc_bits, vc_bits = key_cache.view(bits), value_cache.view(bits)
     _write_kv_kernel[(num_tokens,)](
         key_bits,
         value_bits,
         kc_bits,
         vc_bits,
         slot_mapping,
+        k_scale if kv_fp8 else None,  # None: a constexpr, the bits-moving kernel is unchanged
+        v_scale if kv_fp8 else None,
         key_bits.stride(0),
         key_bits.stride(1),
         value_bits.stride(0),
@@ -323,5 +356,6 @@ def write_kv(
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_SIZE=head_size,
         BLOCK_SIZE=block_size,
+        KV_FP8=kv_fp8,
         num_warps=WRITE_KV_NUM_WARPS,
     )

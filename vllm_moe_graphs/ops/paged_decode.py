@@ -15,6 +15,10 @@ Design, per program = (sequence b, kv head h, split s):
   *bucket* (`decode_plan.choose_num_splits`), never from data; chunk bounds are computed in
   the kernel from seq_lens. Each split writes (acc, max, sum) to the workspace and `_decode_reduce_kernel`
   merges them with a log-sum-exp rescale, which is exact up to fp32 rounding.
+FP8 KV cache (`kv_quant.py`): each K/V tile is dequantized after its load, fp8 * scale rounded
+to the dtype the tile is multiplied in (the query's for tl.dot, as vLLM does; float32 for the
+multiply-reduce), with k_scale / v_scale read once per program from device memory; a constexpr
+switch, so the kernel of an unquantized cache is the one it was without FP8.
 Graph safety: the launchers read only shapes and host constants; no allocation, no sync.
 """
 
@@ -57,6 +61,8 @@ def _paged_decode_kernel(
     value_cache_ptr,  # [NB, BS, Hkv, D] strided view
     block_table_ptr,  # [B_max, max_blocks] int32
     seq_lens_ptr,  # [B_max] int32, 0 = padded row
+    k_scale_ptr,  # [1] float32 when KV_FP8, else None
+    v_scale_ptr,  # [1] float32 when KV_FP8, else None
     qk_scale,  # float32: softmax scale * log2(e)
     num_splits,  # int32: S, the number of context chunks (1 when not SPLIT)
     stride_q_b: tl.int64,
@@ -80,7 +86,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per loop step
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches, "tf32" (ignored) for 16-bit
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 queries, "tf32" (ignored) for 16-bit
+    KV_FP8: tl.constexpr,  # the cache is float8e4nv: dequantize each tile
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,6 +116,12 @@ def _paged_decode_kernel(
     )
     if not USE_DOT:
         q = q.to(tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0  # unused
+        v_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -123,7 +136,7 @@ def _paged_decode_kernel(
         # K, V : [BLOCK_N, D], gathered over BLOCK_N // BLOCK_SIZE pages
         k, v, tok, tok_mask = load_kv_tile(
             bt_row, k_base, v_base, start, hi, offs_n, offs_d, stride_k_block, stride_k_slot,
-            stride_v_block, stride_v_slot, BLOCK_SIZE)
+            stride_v_block, stride_v_slot, k_scale, v_scale, BLOCK_SIZE, KV_FP8, q.dtype)
         # S : [GROUP_PAD, BLOCK_N], log2 domain
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -213,10 +226,14 @@ def paged_decode_attention(
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,
     config: DecodeKernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[b, i] = softmax(scale * q[b, i] . K_b^T) V_b over the first seq_lens[b] cached tokens.
 
-    query/out: [B, Hq, D] with B <= B_max; key_cache/value_cache: [NB, BS, Hkv, D] views;
+    query/out: [B, Hq, D] with B <= B_max; key_cache/value_cache: [NB, BS, Hkv, D] views of
+    the query's dtype, or FP8 e4m3 with k_scale / v_scale float32 tensors of one element (read
+    on the device: K = fp8 * k_scale, V = fp8 * v_scale; not read for other caches);
     block_table: [B_max, max_blocks] int32; seq_lens: [B_max] int32 (0 -> zeros, no KV read);
     num_splits: host constant S >= 1 (`choose_num_splits` on the bucket); S > 1 needs a float32
     `workspace` of at least `decode_workspace_shape(B, Hq, D, S)`. Returns `out`.
@@ -226,8 +243,8 @@ def paged_decode_attention(
     # only: no `.item()`, no read of seq_lens/block_table, no allocation. `num_splits` must come
     # from the bucket (choose_num_splits), `scale` must be a Python float (float() of a CUDA
     # tensor would sync), and the workspace must be allocated before capture.
-    batch, num_q_heads, head_size, block_size, num_kv_heads = check_attention_io(
-        query, out, key_cache, value_cache, scale, "batch")
+    batch, num_q_heads, head_size, block_size, num_kv_heads, kv_fp8 = check_attention_io(
+        query, out, key_cache, value_cache, scale, "batch", k_scale, v_scale)
     check_index_tensor("seq_lens", seq_lens, torch.int32, batch)
     check_index_tensor("block_table", block_table, torch.int32, batch)
     check_same_device(
@@ -258,6 +275,8 @@ def paged_decode_attention(
         value_cache,
         block_table,
         seq_lens,
+        k_scale if kv_fp8 else None,  # None: a constexpr, the unquantized kernel is unchanged
+        v_scale if kv_fp8 else None,
         float(scale) * LOG2E,
         num_splits,
         *query.stride()[:2],
@@ -273,6 +292,7 @@ def paged_decode_attention(
         SPLIT=split,
         USE_DOT=use_dot,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -16,6 +16,7 @@ query_start_loc[i] // BLOCK_Q + i, which bounds the grid by T // BLOCK_Q + B fro
 a program finds its sequence by binary search over query_start_loc. BLOCK_Q is derived from the
 host constant `max_query_len`, so a batch of decode rows (max_query_len 1) does not waste rows.
 Only rows of tokens < query_start_loc[B] are written.
+An FP8 cache is dequantized tile by tile as in `paged_decode.py` (a constexpr switch).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def _paged_prefill_kernel(
     block_table_ptr,  # [B_max, max_blocks] int32
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [>= B] int32
+    k_scale_ptr,  # [1] float32 when KV_FP8, else None
+    v_scale_ptr,  # [1] float32 when KV_FP8, else None
     qk_scale,  # float32: softmax scale * log2(e)
     num_seqs,  # int32: B
     stride_q_t: tl.int64,
@@ -112,6 +115,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is float8e4nv: dequantize each tile
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,6 +148,12 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0  # unused
+        v_scale = 1.0
 
     # Causal horizon of the block's last query token, clipped to the context.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -156,7 +166,8 @@ def _paged_prefill_kernel(
         # K, V : [BLOCK_N, D]
         k, v, kv, kv_mask = load_kv_tile(
             bt_row, k_base, v_base, start, kv_end, offs_n, offs_d, stride_k_block,
-            stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE)
+            stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale, BLOCK_SIZE, KV_FP8,
+            q.dtype)
         # S : [BLOCK_M, BLOCK_N], log2 domain, causal
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = kv_mask[None, :] & (kv[None, :] <= q_abs[:, None])
@@ -188,10 +199,14 @@ def paged_prefill_attention(
     *,
     max_query_len: int,
     config: PrefillKernelConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its whole paged context.
 
-    query/out: [T, Hq, D]; key_cache/value_cache: [NB, BS, Hkv, D] views; block_table:
+    query/out: [T, Hq, D]; key_cache/value_cache: [NB, BS, Hkv, D] views of the query's dtype,
+    or FP8 e4m3 with k_scale / v_scale float32 tensors of one element (read on the device, as
+    in `paged_decode_attention`); block_table:
     [B_max, max_blocks] int32; query_start_loc: [B + 1] int32 (non-decreasing, last entry
     <= T); seq_lens: [>= B] int32 with seq_lens[i] >= q_len_i; max_query_len: host upper bound
     of q_len_i (q_len 1 rows are fine). Writes out rows < query_start_loc[B]. Returns `out`.
@@ -200,8 +215,8 @@ def paged_prefill_attention(
     # NOTE: max_query_len must be the scheduler's host int: deriving it from query_start_loc
     # here would be a device-to-host sync. It only sizes the tile, so an understatement is
     # still correct (just slower).
-    num_tokens, num_q_heads, head_size, block_size, num_kv_heads = check_attention_io(
-        query, out, key_cache, value_cache, scale, "tokens")
+    num_tokens, num_q_heads, head_size, block_size, num_kv_heads, kv_fp8 = check_attention_io(
+        query, out, key_cache, value_cache, scale, "tokens", k_scale, v_scale)
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"query_start_loc must be [B + 1], got {tuple(query_start_loc.shape)}")
     num_seqs = query_start_loc.shape[0] - 1
@@ -231,6 +246,8 @@ def paged_prefill_attention(
         block_table,
         query_start_loc,
         seq_lens,
+        k_scale if kv_fp8 else None,  # None: a constexpr, the unquantized kernel is unchanged
+        v_scale if kv_fp8 else None,
         float(scale) * LOG2E,
         num_seqs,
         *query.stride()[:2],
@@ -245,6 +262,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
