@@ -3,8 +3,8 @@ internals (a port to a newer vLLM changes only it); `cli/` uses vLLM's public AP
 kernels, KV storage, graph runner, capability, config and metrics import no vLLM at all; only
 `integration/patch/` rebinds attributes. Inside integration/, each room imports only the rooms
 its `__init__` names, nothing on the step path imports `startup/`, and an `__init__` imports
-nothing; no module of the package or of benchmarks/ passes 400 lines, no room of integration/
-1,500 (STYLE.md habits 1, 14).
+nothing; no module of the package, of benchmarks/ or of tests/ passes 400 lines, no room of
+integration/ 1,500 (STYLE.md habits 1, 14).
 No import circle: tests/test_import_cycles.py."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tests.import_graph import import_graph, reaches
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "vllm_moe_graphs"
 BENCHMARKS = PACKAGE.parent / "benchmarks"  # not the package, but held to its module size
+TESTS = PACKAGE.parent / "tests"  # the same
 INTEGRATION = "integration"  # the one place that may import vLLM internals
 PUBLIC_API = {"vllm", "vllm.inputs"}  # what `cli/` may import: vLLM's documented entry points
 PUBLIC_ONLY = {"cli"}
@@ -221,9 +222,9 @@ def test_integration_inits_import_nothing():
 
 
 def size_violations(lines: dict[pathlib.PurePath, int]) -> list[str]:
-    """Modules (paths relative to the package, or to the checkout for benchmarks/ -> line
-    counts) over `MAX_MODULE_LINES`, rooms of integration/ (a folder, or its root's own files)
-    over `MAX_ROOM_LINES`."""
+    """Modules (paths relative to the package, or to the checkout for benchmarks/ and tests/ ->
+    line counts) over `MAX_MODULE_LINES`, rooms of integration/ (a folder, or its root's own
+    files) over `MAX_ROOM_LINES`."""
     out = [f"{rel}: {n} lines > {MAX_MODULE_LINES}" for rel, n in sorted(lines.items())
            if n > MAX_MODULE_LINES]
     rooms: dict[str, int] = {}
@@ -250,6 +251,14 @@ def test_no_benchmark_module_is_too_large():
     assert not violations, "\n".join(violations)
 
 
+def test_no_test_module_is_too_large():
+    modules = sorted(TESTS.rglob("*.py"))
+    assert len(modules) > 60 and any(p.parts[-2] == "runner" for p in modules)
+    lines = {p.relative_to(TESTS.parent): len(p.read_text().splitlines()) for p in modules}
+    violations = size_violations(lines)
+    assert not violations, "\n".join(violations)
+
+
 @pytest.mark.parametrize("lines,bad", [
     ({"graphs/runner.py": 400, "integration/runner/lifecycle.py": 400}, []),
     ({"integration/runner/lifecycle.py": 408},
@@ -260,6 +269,9 @@ def test_no_benchmark_module_is_too_large():
     ({"benchmarks/serving/bench.py": 514, "benchmarks/harness/sweep.py": 400},
      ["benchmarks/serving/bench.py: 514 lines > 400"]),
     ({f"benchmarks/kernels/m{i}.py": 300 for i in range(6)}, []),  # no room limit there
+    ({"tests/integration/runner/test_override_points.py": 1106, "tests/kv/test_storage.py": 253},
+     ["tests/integration/runner/test_override_points.py: 1106 lines > 400"]),
+    ({f"tests/integration/runner/m{i}.py": 300 for i in range(6)}, []),  # nor there
 ])
 def test_the_size_check_sees_what_is_too_large(lines, bad):
     assert size_violations({pathlib.PurePath(k): v for k, v in lines.items()}) == bad

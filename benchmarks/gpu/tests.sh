@@ -40,30 +40,31 @@ if [ "${1:-}" = tier ]; then
   # the whole tier, balanced by the tests' durations on the H100 and H200 (the engine parity
   # tests of the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU;
   # the first lane, unit and kernel tests, 7.7 minutes on the H200 and ~9 on the H100)
-  T=tests/graphs/test_gpu_integration.py
+  P=tests/graphs/test_gpu_parity.py F=tests/graphs/test_gpu_faults.py
+  S=tests/graphs/test_gpu_serve.py
   # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (all 48
   # are ~61 GB of weights, more than an H100 holds beside the other lanes)
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
     tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
     + -m gpu tests/graphs/test_gpu_numerics.py tests/graphs/test_gpu_refusals.py \
-    + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
-    "$T::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
-    + -m gpu "$T::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
-    + -m gpu "$T::test_kill_file_under_load_through_vllm_serve" \
-    "$T::test_disable_env_runs_stock_vllm" "$T::test_capture_failure_and_memory_budget_keep_serving" \
-    "$T::test_mixed_precapture_serves_mixed_traffic_without_capture" \
-    "$T::test_idle_capture_captures_while_idle_then_serves_without_capture" \
-    "$T::test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager" \
-    "$T::test_wide_batches_replay_and_match_kill_switch" \
-    + -m gpu "$T::test_uva_expert_offload_graphs_match_kill_switch_eager" \
-    "$T::test_precapture_serves_from_start_up_graphs" "$T::test_experimental_kernels_keep_parity" \
-    "$T::test_idle_capture_recaptures_after_wake_up_through_vllm_serve" \
-    "$T::test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager" \
-    + -m gpu "$T::test_mixed_graphs_match_kill_switch_eager" \
-    "$T::test_mixed_traffic_faults_keep_output_identical" \
-    "$T::test_mixed_traffic_faults_through_vllm_serve" \
-    "$T::test_tiny_checkpoint_graphs_match_kill_switch_eager"
+    + -m gpu "$P::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
+    "$P::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
+    + -m gpu "$P::test_graphs_match_kill_switch_eager[qwen3-30b-a3b]" \
+    + -m gpu "$S::test_kill_file_under_load_through_vllm_serve" \
+    "$F::test_disable_env_runs_stock_vllm" "$F::test_capture_failure_and_memory_budget_keep_serving" \
+    "$P::test_mixed_precapture_serves_mixed_traffic_without_capture" \
+    "$S::test_idle_capture_captures_while_idle_then_serves_without_capture" \
+    "$P::test_mixed_graphs_with_flash_attn_prefill_match_kill_switch_eager" \
+    "$P::test_wide_batches_replay_and_match_kill_switch" \
+    + -m gpu "$P::test_uva_expert_offload_graphs_match_kill_switch_eager" \
+    "$P::test_precapture_serves_from_start_up_graphs" "$P::test_experimental_kernels_keep_parity" \
+    "$S::test_idle_capture_recaptures_after_wake_up_through_vllm_serve" \
+    "$P::test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager" \
+    + -m gpu "$P::test_mixed_graphs_match_kill_switch_eager" \
+    "$F::test_mixed_traffic_faults_keep_output_identical" \
+    "$S::test_mixed_traffic_faults_through_vllm_serve" \
+    "$P::test_tiny_checkpoint_graphs_match_kill_switch_eager"
 fi
 lanes=() cur=""
 for a in "$@"; do

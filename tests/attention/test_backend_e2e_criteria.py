@@ -1,4 +1,5 @@
-"""CPU tier: the verdict logic of the GPU end-to-end test (tests/attention/test_gpu_backend_e2e.py).
+"""CPU tier: the verdict logic of the GPU end-to-end test (tests/attention/e2e_verdict.py, used
+by tests/attention/test_gpu_backend_e2e.py).
 
 `compare` turns two runs into agreement numbers and `check` judges CUSTOM's numbers against the
 absolute thresholds or, where those fail, against a control run (TRITON_ATTN rescheduled). Both
@@ -12,8 +13,7 @@ import copy
 
 import pytest
 
-from .test_gpu_backend_e2e import (
-    MAX_TOKENS,
+from .e2e_verdict import (
     TIE_NATS,
     TOP_LOGPROBS,
     _near_tie,
@@ -21,6 +21,7 @@ from .test_gpu_backend_e2e import (
     compare,
     genuine_divergences,
 )
+from .test_gpu_backend_e2e import MAX_TOKENS
 
 N = 64
 
@@ -172,3 +173,33 @@ def test_compare_counts_a_three_way_tie_at_rank_three():
     control = compare(ref, ref)
     assert control["prompts_diverged"] == 0 and control["max_abs_logprob_diff"] == 0.0
     assert check(summary, control) == []
+
+
+def test_e2e_comparison_verdicts():
+    """The comparison the GPU e2e test relies on: agreement, near-ties, genuine divergence."""
+    same = [(5, [[5, -1.0], [6, -1.5]]), (7, [[7, -0.5], [8, -2.0]])]
+    ref = _run([same] * 20)
+    summary = compare(ref, _run([same] * 20))
+    assert summary["first_token_agreement"] == 1.0 and summary["prompts_diverged"] == 0
+    assert summary["max_abs_logprob_diff"] == 0.0 and check(summary) == []
+
+    # second token flips between two tokens 0.02 nats apart in both runs: a near-tie
+    tie_ref = [(5, [[5, -1.0], [6, -1.5]]), (7, [[7, -0.70], [8, -0.72]])]
+    tie_test = [(5, [[5, -1.01], [6, -1.5]]), (8, [[8, -0.70], [7, -0.71]])]
+    summary = compare(_run([tie_ref] * 20), _run([tie_test] * 20))
+    assert summary["prompts_diverged"] == summary["prompts_diverged_at_near_tie"] == 20
+    assert summary["first_token_agreement"] == 1.0
+    assert abs(summary["max_abs_logprob_diff"] - 0.01) < 1e-9 and check(summary) == []
+
+    # first token replaced by one outside the reference's top 2 in 2 of 20 prompts: genuine
+    wrong = [(9, [[9, -0.2], [3, -3.0]]), (7, [[7, -0.5], [8, -2.0]])]
+    summary = compare(ref, _run([wrong] * 2 + [same] * 18))
+    assert summary["first_token_agreement"] == summary["first_token_agreement_tie_aware"] == 0.9
+    failures = check(summary)
+    assert any("not a near-tie" in f for f in failures)
+    assert any("near-ties allowed" in f for f in failures)
+
+    # same tokens, logprobs far apart: attention numerically wrong without a flip
+    off = [(5, [[5, -2.0], [6, -2.5]]), (7, [[7, -0.5], [8, -2.0]])]
+    failures = check(compare(ref, _run([off] * 20)))
+    assert any("logprob difference" in f for f in failures)

@@ -16,7 +16,7 @@ import pytest
 import vllm_moe_graphs
 from benchmarks.harness import profile_prefill, profile_steps
 from benchmarks.harness.modes import DEFAULT_MODES, MODES, STOCK_GRAPH_MODES
-from tests.benchmarks.test_benchmark_harness import _Engine
+from tests.benchmarks.harness_util import _Engine
 from vllm_moe_graphs.config import PluginConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -71,8 +71,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.graphs.engine_harness import mixed_prompts
-from tests.graphs.test_gpu_integration import MIXED_FAULTS_PLUGIN
+from tests.graphs.engine_harness import MIXED_FAULTS_PLUGIN, mixed_prompts
 from tests.tiny_models import build_checkpoint
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.graphs.buckets import graph_config

@@ -2,7 +2,8 @@
 with a real queue, inside vLLM 0.26.0's own input loop (`EngineCoreProc._process_input_queue`),
 and the patch on vLLM's real `EngineCoreProc` in a fresh interpreter. The
 capture each call makes is `precapture.idle_capture_one`, tested with the stepping runner in
-`test_override_points.py`; on the GPU, `test_idle_capture_serves_without_capture_pauses`."""
+`runner/test_override_precapture.py`; on the GPU, through `vllm serve` in
+tests/graphs/test_gpu_serve.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the in-graph LM head computes vLLM's logits bit for bit.
 
 The per-step hand-over (warm-up, capture, replay, fallbacks) is tested on the runner in
-`test_override_points.py`; the engine-level proof is the GPU parity tier (graphs against the
+`test_override_steps.py`; the engine-level proof is the GPU parity tier (graphs against the
 kill switch's eager steps, where vLLM computes the logits)."""
 
 from __future__ import annotations

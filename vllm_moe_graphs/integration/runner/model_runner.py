@@ -6,7 +6,7 @@ runner, the per-step plan and the start-up work. vLLM's own capture is off for e
 in (`cudagraph_mode=NONE`, set by `hooks.take_over_decode_graphs`), so the plugin's graphs are
 the only ones.
 
-Overridden `GPUModelRunner` methods (exactly these; `test_override_points` introspects them;
+Overridden `GPUModelRunner` methods (exactly these; `test_override_signatures` introspects them;
 `signatures.RUNNER_OVERRIDES` holds their parameters):
 
 method                                  | parameters after self                                | hook
