@@ -55,7 +55,8 @@ def test_backend_class_data():
     assert Backend.get_impl_cls() is MoeGraphsAttentionImpl
     assert Backend.get_builder_cls() is MoeGraphsMetadataBuilder
     assert Backend.supported_dtypes == [torch.float16, torch.bfloat16]
-    assert Backend.supported_kv_cache_dtypes == ["auto", "float16", "bfloat16"]
+    assert Backend.supported_kv_cache_dtypes == ["auto", "float16", "bfloat16", "fp8",
+                                                 "fp8_e4m3"]
     assert Backend.get_supported_head_sizes() == [64, 128]
     assert Backend.get_supported_kernel_block_sizes() == [16, 32, 64]
     assert Backend.forward_includes_kv_cache_update is False
@@ -78,8 +79,11 @@ def test_kv_cache_layout_is_triton_attn(layout, env):
         set_kv_cache_layout(None)
     for args in [(100, 16, 8, 128), (7, 32, 4, 64), (3, 64, 1, 128)]:
         assert Backend.get_kv_cache_shape(*args) == TritonAttentionBackend.get_kv_cache_shape(*args)
-    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8'"):
-        Backend.get_kv_cache_shape(100, 16, 8, 128, cache_dtype_str="fp8")
+    for fp8 in ("fp8", "fp8_e4m3"):  # the same layout, of bytes
+        assert Backend.get_kv_cache_shape(100, 16, 8, 128, cache_dtype_str=fp8) == (
+            TritonAttentionBackend.get_kv_cache_shape(100, 16, 8, 128, cache_dtype_str=fp8))
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8_e5m2'"):
+        Backend.get_kv_cache_shape(100, 16, 8, 128, cache_dtype_str="fp8_e5m2")
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -103,14 +107,18 @@ def test_selection_accepts_qwen3(dtype, head_size, block_size):
     assert _validate(dtype=dtype, head_size=head_size, block_size=block_size) == []
     kv = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     assert _validate(dtype=dtype, kv_cache_dtype=kv) == []
+    for fp8 in ("fp8", "fp8_e4m3"):  # the KV write quantizes with the layer's scales
+        assert _validate(dtype=dtype, kv_cache_dtype=fp8) == []
 
 
 @pytest.mark.parametrize("overrides,reason", [
     ({"head_size": 96}, "head_size not supported"),
     ({"head_size": 256}, "head_size not supported"),
     ({"dtype": torch.float32}, "dtype not supported"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype not supported"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype not supported"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype not supported"),
+    ({"kv_cache_dtype": "fp8_per_token_head"}, "kv_cache_dtype not supported"),
+    ({"kv_cache_dtype": "fp8", "device_capability": DeviceCapability(8, 0)},
+     "needs compute capability 8.9+"),
     ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype not supported"),
     ({"dtype": torch.float16, "kv_cache_dtype": "bfloat16"}, "differs from the model dtype"),
     ({"block_size": 8}, "block_size not supported"),
@@ -144,13 +152,16 @@ def test_impl_accepts_qwen3():
     assert (impl.num_heads, impl.num_kv_heads, impl.head_size) == (16, 8, 128)
     assert isinstance(impl.scale, float)
     MoeGraphsAttentionImpl(**{**QWEN3_IMPL_ARGS, "logits_soft_cap": 0, "sinks": None})
+    assert not impl.kv_fp8
+    for fp8 in ("fp8", "fp8_e4m3"):
+        assert MoeGraphsAttentionImpl(**{**QWEN3_IMPL_ARGS, "kv_cache_dtype": fp8}).kv_fp8
 
 
 @pytest.mark.parametrize("overrides,named", [
     ({"head_size": 96}, "head_size=96"),
     ({"alibi_slopes": [0.5] * 16}, "alibi"),
     ({"sliding_window": 4096}, "sliding window (sliding_window=4096)"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+    ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype='int8_per_token_head'"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2'"),
     ({"logits_soft_cap": 30.0}, "logits soft cap (logits_soft_cap=30.0)"),
     ({"attn_type": AttentionType.ENCODER}, "attention type encoder "),

@@ -28,6 +28,7 @@ from vllm_moe_graphs.integration.attention.metadata import (
     MoeGraphsMetadataBuilder,
 )
 from vllm_moe_graphs.ops import (
+    FP8_KV_DTYPE,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_HEAD_SIZES,
     paged_decode_attention,
@@ -40,8 +41,11 @@ if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
     from vllm.platforms.interface import DeviceCapability
 
-SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16")
+# vLLM's names of the FP8 e4m3 cache with per-tensor scales (layer._k_scale / _v_scale)
+FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3")
+SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES)
 MIN_COMPUTE_CAPABILITY = 80  # bf16 tensor cores (Ampere); developed and tested on an H200
+MIN_FP8_KV_COMPUTE_CAPABILITY = 89  # native e4m3 (fp8e4nv) in Triton, as vLLM's TRITON_ATTN
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WHO = "the vllm_moe_graphs attention backend (CUSTOM)"
 
@@ -158,7 +162,12 @@ class MoeGraphsAttentionBackend(AttentionBackend):
         use_mm_prefix: bool,
         device_capability: DeviceCapability,
     ) -> str | None:
-        # The KV write copies bits, it never converts: the cache must hold the model dtype.
+        if kv_cache_dtype in FP8_KV_CACHE_DTYPES:  # the KV write quantizes, the kernels read it
+            if device_capability.to_int() < MIN_FP8_KV_COMPUTE_CAPABILITY:
+                return (f"kv_cache_dtype {kv_cache_dtype} needs compute capability 8.9+ "
+                        f"(native e4m3), this device has {device_capability.to_int()}")
+            return None
+        # Otherwise the KV write copies bits, it never converts: the cache holds the model dtype.
         model_dtype = _DTYPE_NAMES.get(dtype)
         if kv_cache_dtype not in (None, "auto") and model_dtype and kv_cache_dtype != model_dtype:
             return (
@@ -208,6 +217,7 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
         self.scale = float(scale)  # a Python float: the kernels reject tensors (host sync)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
@@ -221,11 +231,25 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
     ) -> None:
         if kv_cache.numel() == 0:
             return  # no cache bound yet (memory profiling)
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = self._caches(kv_cache)
         # NOTE: padded tokens carry slot -1 and are skipped inside the kernel; the grid is the
         # token count (a shape), never filtered on the host.
         num_tokens = min(key.shape[0], slot_mapping.shape[0])
-        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache, slot_mapping)
+        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache, slot_mapping,
+                 **self._scales(layer))
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value cache views; an FP8 cache (vLLM allocates it as uint8 bytes) viewed
+        as e4m3, as vLLM's TRITON_ATTN does."""
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        if self.kv_fp8 and key_cache.dtype != FP8_KV_DTYPE:
+            key_cache, value_cache = key_cache.view(FP8_KV_DTYPE), value_cache.view(FP8_KV_DTYPE)
+        return key_cache, value_cache
+
+    def _scales(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """An FP8 cache's per-tensor scales, the layer's own device tensors (their addresses stay,
+        so a captured graph reads the values of the moment); none for an unquantized cache."""
+        return {"k_scale": layer._k_scale, "v_scale": layer._v_scale} if self.kv_fp8 else {}
 
     def forward(
         self,
@@ -245,7 +269,8 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
             return output.fill_(0)  # memory-profiling run: no metadata, no cache
         # NOTE: graph safety. Views, shapes and host constants from the metadata only: no
         # allocation, no host sync, no .item(); the kernels read the builder's persistent buffers.
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = self._caches(kv_cache)
+        scales = self._scales(layer)
         md = attn_metadata
         if md.decode:
             rows = md.num_reqs  # one query token per row; rows past the real batch have length 0
@@ -259,8 +284,9 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
                 self.scale,
                 num_splits=md.num_splits,
                 workspace=md.workspace,
+                **scales,
             )
-        elif md.fa3_schedule is not None:  # FlashAttention 3 (prefill_attention auto/flash_attn)
+        elif md.fa3_schedule is not None and not self.kv_fp8:  # FA3 (prefill_attention)
             tokens = md.num_actual_tokens
             flash_attn_prefill(output[:tokens], query[:tokens], key_cache, value_cache, md,
                                self.scale)
@@ -276,6 +302,7 @@ class MoeGraphsAttentionImpl(AttentionImpl[MoeGraphsAttentionMetadata]):
                 md.seq_lens,
                 self.scale,
                 max_query_len=md.max_query_len,
+                **scales,
             )
         return output
 
@@ -301,8 +328,8 @@ def unsupported_settings(
         refused.append(f"sliding window (sliding_window={sliding_window})")
     if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         refused.append(
-            f"kv_cache_dtype={kv_cache_dtype!r} (quantized / fp8 KV caches are not implemented; "
-            f"supported: {SUPPORTED_KV_CACHE_DTYPES})"
+            f"kv_cache_dtype={kv_cache_dtype!r} (supported: {SUPPORTED_KV_CACHE_DTYPES}; "
+            "e5m2, per-token-head and integer KV caches are not implemented)"
         )
     if logits_soft_cap:  # None and 0 both mean no soft cap
         refused.append(f"logits soft cap (logits_soft_cap={logits_soft_cap})")

@@ -140,6 +140,12 @@ class MoeGraphsMetadataBuilder(AttentionMetadataBuilder[MoeGraphsAttentionMetada
         self._planned_query_len: int | None = None
         self.flash_attn: FlashAttnPrefill | None = None
         choice = plugin.prefill_attention
+        if choice != "triton" and str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+            # FA3 reads an FP8 cache only with FP8 queries and descale tensors: not wired
+            logger.info("moe_graphs: kv_cache_dtype %s: steps with prefill tokens use the "
+                        "plugin's kernel (prefill_attention %s)",
+                        vllm_config.cache_config.cache_dtype, choice)
+            choice = "triton"
         if choice != "triton":  # "auto" or "flash_attn"
             if (problem := flash_attn_problem()) is None:
                 self.flash_attn = FlashAttnPrefill(
