@@ -145,3 +145,33 @@ def test_every_reason_documented():
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "capability.md").read_text()
     missing = [r.value for r in Reason if f"| `{r.value}` |" not in doc]
     assert not missing, f"docs/capability.md lacks {missing}"
+
+
+@pytest.mark.parametrize("change,unproven,taken", [
+    (dict(kv_cache_dtype="fp8"), {"fp8_kv"}, ["an FP8 KV cache (kv_cache_dtype fp8)"]),
+    (dict(kv_cache_dtype="fp8_e4m3"), {"fp8_kv", "fp8"},
+     ["an FP8 KV cache (kv_cache_dtype fp8_e4m3)"]),
+    (dict(quantization="fp8"), {"fp8"}, ["FP8 weights (quantization fp8)"]),
+    (dict(quantization="fp8", kv_cache_dtype="fp8"), {"fp8", "fp8_kv"},
+     ["FP8 weights (quantization fp8)", "an FP8 KV cache (kv_cache_dtype fp8)"]),
+    (dict(), {"fp8", "fp8_kv"}, []),  # nothing unproven in use: nothing said
+])
+def test_unproven_configurations_taken_over_for_proof_runs(change, unproven, taken):
+    from vllm_moe_graphs.capability import unproven_taken_over
+
+    facts = dataclasses.replace(ELIGIBLE_FACTS, **change, unproven=frozenset(unproven))
+    assert config_capability(facts).eligible
+    assert unproven_taken_over(facts) == taken
+    if change:  # without MOE_GRAPHS_UNPROVEN the same configuration is denied
+        assert not config_capability(dataclasses.replace(facts, unproven=frozenset())).eligible
+
+
+@pytest.mark.parametrize("change,unproven,reason", [
+    (dict(kv_cache_dtype="fp8_e5m2"), {"fp8_kv"}, Reason.UNSUPPORTED_DTYPE),
+    (dict(kv_cache_dtype="fp8"), {"fp8"}, Reason.UNSUPPORTED_DTYPE),
+    (dict(quantization="awq"), {"fp8", "fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization="fp8"), {"fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
+])
+def test_unproven_names_only_what_they_name(change, unproven, reason):
+    facts = dataclasses.replace(ELIGIBLE_FACTS, **change, unproven=frozenset(unproven))
+    assert config_capability(facts).reasons == (reason,)

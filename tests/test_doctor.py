@@ -349,3 +349,11 @@ def test_doctor_says_where_the_graph_pool_memory_comes_from(capsys, monkeypatch)
     assert doctor.memory_lines(PluginConfig(graph_memory_budget_mib=0), 0.9, None, True) == [
         "graph memory: none (graph_memory_budget_mib 0: every capture is denied, steps run "
         "eager with memory_budget)"]
+
+
+def test_unproven_fp8_kv_is_taken_over_and_said(capsys, monkeypatch):
+    monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", "fp8_kv")
+    code, out = _run(capsys, "qwen3-30b-a3b", "--kv-cache-dtype", "fp8")
+    assert "unsupported_dtype" not in out
+    assert ("MOE_GRAPHS_UNPROVEN: an FP8 KV cache (kv_cache_dtype fp8) taken over, not yet "
+            "proven") in out

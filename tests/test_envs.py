@@ -109,3 +109,16 @@ def test_kill_switch_from_env(monkeypatch, tmp_path):
 def test_kill_switch_rejects_negative_interval():
     with pytest.raises(ValueError, match="interval_s"):
         KillSwitch("x", interval_s=-1)
+
+
+def test_unproven_names_parse(monkeypatch):
+    monkeypatch.delenv("MOE_GRAPHS_UNPROVEN", raising=False)
+    assert envs.MOE_GRAPHS_UNPROVEN == frozenset()
+    monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", " fp8_kv, fp8 ,")
+    assert envs.MOE_GRAPHS_UNPROVEN == {"fp8", "fp8_kv"}
+
+
+def test_unproven_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", "fp8,awq")
+    with pytest.raises(ValueError, match=r"MOE_GRAPHS_UNPROVEN='fp8,awq'.*\['awq'\] not known"):
+        envs.validate_all()

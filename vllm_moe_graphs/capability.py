@@ -120,6 +120,10 @@ GRAPH_SAFE_OFFLOAD = frozenset({"none", "uva"})
 # Weight quantization methods (vLLM's names) proven by a GPU parity test against stock vLLM;
 # every other method is denied (`unsupported_quantization`) and runs stock vLLM.
 PROVEN_QUANTIZATION: frozenset[str] = frozenset()
+# KV cache dtypes other than "auto" proven the same way; an FP8 e4m3 cache ("fp8", "fp8_e4m3")
+# has kernels and a backend path but no GPU parity yet.
+PROVEN_KV_CACHE_DTYPES: frozenset[str] = frozenset()
+FP8_KV_CACHE_DTYPES = frozenset({"fp8", "fp8_e4m3"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +220,9 @@ class ConfigFacts:
     # compilation settings the user chose that the plugin's take-over would override, spelled
     # as flags ("-O3", "-cc.cudagraph_mode=FULL_DECODE_ONLY", ...); "" when none
     user_compilation: str = ""
+    # unproven configurations taken over for a GPU proof run (MOE_GRAPHS_UNPROVEN): "fp8" (FP8
+    # weights), "fp8_kv" (an FP8 e4m3 KV cache)
+    unproven: frozenset[str] = frozenset()
 
 
 # Proofs that every runtime report must carry before replay is allowed.
@@ -247,7 +254,10 @@ def architecture_proof(facts: ConfigFacts) -> Proof:
 
 def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
     """The config-time proofs, one per entry of CONFIG_PROOFS."""
-    dtype_ok = facts.dtype in SUPPORTED_DTYPES and facts.kv_cache_dtype == "auto"
+    kv_ok = facts.kv_cache_dtype in {"auto", *PROVEN_KV_CACHE_DTYPES} or (
+        facts.kv_cache_dtype in FP8_KV_CACHE_DTYPES and "fp8_kv" in facts.unproven)
+    dtype_ok = facts.dtype in SUPPORTED_DTYPES and kv_ok
+    proven_quantization = {None, *PROVEN_QUANTIZATION, *({"fp8"} & facts.unproven)}
     return (
         _proof("env", not facts.disabled_by_env, Reason.DISABLED_BY_ENV, "MOE_GRAPHS_DISABLE=1"),
         _proof("plugin_config", facts.plugin_enabled, Reason.DISABLED_BY_CONFIG,
@@ -256,7 +266,7 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
         architecture_proof(facts),
         _proof("dtype", dtype_ok, Reason.UNSUPPORTED_DTYPE,
                f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}"),
-        _proof("quantization", facts.quantization in {None, *PROVEN_QUANTIZATION},
+        _proof("quantization", facts.quantization in proven_quantization,
                Reason.UNSUPPORTED_QUANTIZATION,
                f"quantization {facts.quantization}"),
         _proof("sliding_window", not facts.sliding_window, Reason.SLIDING_WINDOW,
@@ -282,6 +292,19 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
         _proof("offload", facts.offload in GRAPH_SAFE_OFFLOAD, Reason.OFFLOAD_NOT_GRAPH_SAFE,
                f"offload mode {facts.offload!r}"),
     )
+
+
+def unproven_taken_over(facts: ConfigFacts) -> list[str]:
+    """The unproven configurations of `facts` that MOE_GRAPHS_UNPROVEN lets the plugin take
+    over (for a GPU proof run), each named with its setting; empty on a proven configuration."""
+    taken = []
+    if ("fp8" in facts.unproven and facts.quantization == "fp8"
+            and "fp8" not in PROVEN_QUANTIZATION):
+        taken.append("FP8 weights (quantization fp8)")
+    if ("fp8_kv" in facts.unproven and facts.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+            and facts.kv_cache_dtype not in PROVEN_KV_CACHE_DTYPES):
+        taken.append(f"an FP8 KV cache (kv_cache_dtype {facts.kv_cache_dtype})")
+    return taken
 
 
 def config_capability(facts: ConfigFacts) -> DecodeGraphCapability:

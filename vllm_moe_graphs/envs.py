@@ -51,6 +51,23 @@ def _parse_kill_file(name: str) -> str | None:
     return path
 
 
+# What MOE_GRAPHS_UNPROVEN may name: configurations whose kernels are built but whose GPU parity
+# against stock vLLM is not yet proven (capability.PROVING_NAMES, kept here without importing it).
+UNPROVEN_NAMES = ("fp8", "fp8_kv")
+
+
+def _parse_names(name: str, accepted: tuple[str, ...]) -> frozenset[str]:
+    raw = os.environ.get(name, "")
+    names = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    unknown = sorted(names - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"{name}={raw!r} is not a valid value: {unknown} not known; accepted: a comma list "
+            f"of {list(accepted)} or unset. Example: {name}={accepted[0]}"
+        )
+    return names
+
+
 def _parse_dir(name: str) -> str | None:
     raw = os.environ.get(name)
     return raw or None
@@ -64,6 +81,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Runtime kill switch: while this file exists every decode batch runs eager (captured graphs
     # are kept); remove the file and replay resumes. Checked at most every ~100 ms.
     "MOE_GRAPHS_KILL_FILE": lambda: _parse_kill_file("MOE_GRAPHS_KILL_FILE"),
+    # Proof runs only: configurations the capability denies as unproven (FP8 weights "fp8", an
+    # FP8 KV cache "fp8_kv") are taken over anyway, with a warning, so a GPU parity test can
+    # prove them. Never for serving: until proven, they may differ from stock vLLM.
+    "MOE_GRAPHS_UNPROVEN": lambda: _parse_names("MOE_GRAPHS_UNPROVEN", UNPROVEN_NAMES),
     # Internal: the metrics directory created by the root process (the API server or the process
     # that built the LLM) and inherited by engine and worker processes. Set by the plugin itself;
     # operators leave it alone.

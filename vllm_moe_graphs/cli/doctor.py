@@ -13,7 +13,11 @@ import re
 import sys
 
 from vllm_moe_graphs import __version__
-from vllm_moe_graphs.capability import DecodeGraphCapability, config_capability
+from vllm_moe_graphs.capability import (
+    DecodeGraphCapability,
+    config_capability,
+    unproven_taken_over,
+)
 from vllm_moe_graphs.config import PluginConfig
 
 EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
@@ -258,7 +262,10 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
              + moe_padding_lines(cfg, hf.get("num_experts"))
              + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
                             vllm_sets_aside_graph_memory()))
-    return model, config_capability(facts_from_engine_args(engine_args, hf)), steps, unread
+    facts = facts_from_engine_args(engine_args, hf)
+    steps += [f"MOE_GRAPHS_UNPROVEN: {x} taken over, not yet proven against stock vLLM on a "
+              "GPU: for parity runs, not for serving" for x in unproven_taken_over(facts)]
+    return model, config_capability(facts), steps, unread
 
 
 def main(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from vllm_moe_graphs.capability import (
     Reason,
     config_capability,
     runtime_capability,
+    unproven_taken_over,
 )
 from vllm_moe_graphs.config import PluginConfig, plugin_config
 from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
@@ -33,7 +34,12 @@ def engine_capability(vllm_config: VllmConfig) -> tuple[PluginConfig, DecodeGrap
     """Validate the plugin config (`ValueError` on bad input) and compute the config-time
     report."""
     plugin = plugin_config(vllm_config.additional_config)
-    return plugin, config_capability(facts_from_vllm_config(vllm_config, plugin))
+    facts = facts_from_vllm_config(vllm_config, plugin)
+    if taken := unproven_taken_over(facts):
+        logger.warning("moe_graphs: MOE_GRAPHS_UNPROVEN: taking over %s, not yet proven against "
+                       "stock vLLM on a GPU: for parity runs, not for serving",
+                       " and ".join(taken))
+    return plugin, config_capability(facts)
 
 
 WORKER_CLS = "vllm_moe_graphs.integration.worker.MoeGraphsWorker"
