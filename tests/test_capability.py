@@ -171,6 +171,8 @@ def test_unproven_configurations_taken_over_for_proof_runs(change, unproven, tak
     (dict(kv_cache_dtype="fp8"), {"fp8"}, Reason.UNSUPPORTED_DTYPE),
     (dict(quantization="awq"), {"fp8", "fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
     (dict(quantization="fp8"), {"fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
+    # vLLM computes the scales with a host read on the first forward
+    (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"fp8_kv"}, Reason.UNSUPPORTED_DTYPE),
 ])
 def test_unproven_names_only_what_they_name(change, unproven, reason):
     facts = dataclasses.replace(ELIGIBLE_FACTS, **change, unproven=frozenset(unproven))

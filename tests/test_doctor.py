@@ -73,6 +73,8 @@ def test_llama_reports_unsupported_architecture(capsys, tmp_path):
      "speculative_decoding"),
     (["--enforce-eager"], "enforce_eager"),
     (["--kv-cache-dtype", "fp8"], "unsupported_dtype"),
+    (["--calculate-kv-scales"], "unsupported_dtype (dtype=bfloat16, kv_cache_dtype=auto, "
+                                "--calculate-kv-scales"),
     (["--dtype", "float32"], "unsupported_dtype"),
     (["--offload-group-size", "4", "--offload-num-in-group", "1"], "offload_not_graph_safe"),
     (["--additional-config", '{"moe_graphs": {"enabled": false}}'], "disabled_by_config"),

@@ -220,6 +220,9 @@ class ConfigFacts:
     # compilation settings the user chose that the plugin's take-over would override, spelled
     # as flags ("-O3", "-cc.cudagraph_mode=FULL_DECODE_ONLY", ...); "" when none
     user_compilation: str = ""
+    # --calculate-kv-scales: vLLM computes an FP8 cache's scales on the first forward with a
+    # host read (`.item()`)
+    calculate_kv_scales: bool = False
     # unproven configurations taken over for a GPU proof run (MOE_GRAPHS_UNPROVEN): "fp8" (FP8
     # weights), "fp8_kv" (an FP8 e4m3 KV cache)
     unproven: frozenset[str] = frozenset()
@@ -256,7 +259,9 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
     """The config-time proofs, one per entry of CONFIG_PROOFS."""
     kv_ok = facts.kv_cache_dtype in {"auto", *PROVEN_KV_CACHE_DTYPES} or (
         facts.kv_cache_dtype in FP8_KV_CACHE_DTYPES and "fp8_kv" in facts.unproven)
-    dtype_ok = facts.dtype in SUPPORTED_DTYPES and kv_ok
+    dtype_ok = facts.dtype in SUPPORTED_DTYPES and kv_ok and not facts.calculate_kv_scales
+    kv_scales = (", --calculate-kv-scales (scales computed with a host read on the first forward)"
+                 if facts.calculate_kv_scales else "")
     proven_quantization = {None, *PROVEN_QUANTIZATION, *({"fp8"} & facts.unproven)}
     return (
         _proof("env", not facts.disabled_by_env, Reason.DISABLED_BY_ENV, "MOE_GRAPHS_DISABLE=1"),
@@ -265,7 +270,7 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
         _proof("platform", facts.is_cuda, Reason.NO_CUDA, "current platform is not CUDA"),
         architecture_proof(facts),
         _proof("dtype", dtype_ok, Reason.UNSUPPORTED_DTYPE,
-               f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}"),
+               f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}{kv_scales}"),
         _proof("quantization", facts.quantization in proven_quantization,
                Reason.UNSUPPORTED_QUANTIZATION,
                f"quantization {facts.quantization}"),

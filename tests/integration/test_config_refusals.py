@@ -52,6 +52,8 @@ cases = {
     "online_fp8": dict(model=dense, quantization="fp8"),
     "block_fp8": dict(model=block_fp8),
     "moe_dp2": dict(model=moe, data_parallel_size=2),
+    "fp8_kv": dict(model=dense, kv_cache_dtype="fp8"),
+    "fp8_kv_calculated_scales": dict(model=dense, kv_cache_dtype="fp8", calculate_kv_scales=True),
 }
 out = {}
 for name, kwargs in cases.items():
@@ -75,6 +77,8 @@ REFUSED = {
     "online_fp8": "unsupported_quantization",
     "block_fp8": "unsupported_quantization",
     "moe_dp2": "data_parallel",
+    "fp8_kv": "unsupported_dtype",
+    "fp8_kv_calculated_scales": "unsupported_dtype",
 }
 TAKEN_OVER = ("default", "explicit_route", "dense_dp2", "sliding_window_off")
 

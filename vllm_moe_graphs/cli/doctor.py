@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--quantization", "-q", default=None)
     p.add_argument("--disable-sliding-window", action="store_true")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling", "draft"])
