@@ -65,7 +65,7 @@ REMEDY: dict[Reason, str] = {
     Reason.MLA_LAYOUT_UNSUPPORTED: "MLA models (DeepSeek V2/V3) use a latent KV layout the plugin "
     "does not own; they run stock vLLM",
     Reason.UNSUPPORTED_DTYPE: "use --dtype bfloat16 or float16 and an unquantized KV cache "
-    "(--kv-cache-dtype auto)",
+    "(--kv-cache-dtype auto, without --calculate-kv-scales)",
     Reason.ENFORCE_EAGER: "drop --enforce-eager to allow the plugin's CUDA graphs",
     Reason.PIPELINE_PARALLEL: "use --pipeline-parallel-size 1",
     Reason.TENSOR_PARALLEL: "use --tensor-parallel-size 1; the plugin's graphs with tensor "
