@@ -1,4 +1,5 @@
-"""`benchmarks/gpu/tests.sh tier` runs every GPU test: a new test must not fall out of it."""
+"""`benchmarks/gpu/tests.sh tier` and `fp8` run every GPU test between them: a new test must not
+fall out of both."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ ENGINE_TESTS = [ROOT / "tests" / "graphs" / f"test_gpu_{name}.py"
 
 
 def _preset() -> str:
-    start = SCRIPT.index('if [ "${1:-}" = tier ]; then')
-    return SCRIPT[start:SCRIPT.index("\nfi\n", start)]
+    """The tier's and the FP8 preset's lanes, one text."""
+    blocks = []
+    for name in ("tier", "fp8"):
+        start = SCRIPT.index(f'if [ "${{1:-}}" = {name} ]; then')
+        blocks.append(SCRIPT[start:SCRIPT.index("\nfi\n", start)])
+    return "\n".join(blocks)
 
 
 def _file_variables(preset: str) -> dict[str, str]:

@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
-#   bash benchmarks/gpu/tests.sh tier                     (every GPU test in seven lanes: ~7.5
-#                                                          minutes on the H200, RUN_GUARD_S=540)
+#   bash benchmarks/gpu/tests.sh tier                     (every GPU test but the FP8 KV ones in
+#                                                          seven lanes: ~9 minutes on an H100)
+#   bash benchmarks/gpu/tests.sh fp8                      (the FP8 KV cache's parity and numerics)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu",
 # ".gpu-extras"]; .gpu-extras from scripts/gpu_extras.sh, for the sampling test's structured
@@ -65,6 +66,15 @@ if [ "${1:-}" = tier ]; then
     "$F::test_mixed_traffic_faults_keep_output_identical" \
     "$S::test_mixed_traffic_faults_through_vllm_serve" \
     "$P::test_tiny_checkpoint_graphs_match_kill_switch_eager"
+fi
+if [ "${1:-}" = fp8 ]; then
+  # the FP8 KV cache's proofs, beside the tier (which fills a call): mixed parity of both shapes
+  # on an FP8 cache, and the numerics test on one (Qwen3-30B-A3B cut to 12 of its 48 layers)
+  P=tests/graphs/test_gpu_parity.py
+  export MOE_GRAPHS_TEST_NUMERICS_KV_CACHE_DTYPE=fp8
+  export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
+  set -- -m gpu "$P::test_mixed_graphs_on_an_fp8_kv_cache_match_kill_switch_eager" \
+    + -m gpu tests/graphs/test_gpu_numerics.py
 fi
 lanes=() cur=""
 for a in "$@"; do

@@ -76,13 +76,15 @@ def prompts(vocab: int, n: int = 16, seed: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-def run(tmp_path, name: str, spec: dict, *, plugin: bool, timeout_s: float) -> dict:
+def run(tmp_path, name: str, spec: dict, *, plugin: bool, timeout_s: float,
+        env_extra: dict[str, str] | None = None) -> dict:
     """One engine (`tests.graphs.numerics_engine`) in its own interpreter on `spec`; with
-    `plugin` False the plugin is rolled back (MOE_GRAPHS_DISABLE=1): stock vLLM."""
+    `plugin` False the plugin is rolled back (MOE_GRAPHS_DISABLE=1): stock vLLM. `env_extra`:
+    more environment (e.g. MOE_GRAPHS_UNPROVEN for the plugin's engine)."""
     out = tmp_path / f"{name}.json"
     spec_file = tmp_path / f"{name}.spec.json"
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
-    env = engine_env(**({} if plugin else {"MOE_GRAPHS_DISABLE": "1"}))
+    env = engine_env(**({} if plugin else {"MOE_GRAPHS_DISABLE": "1"}), **(env_extra or {}))
     log = tmp_path / f"{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:

@@ -27,6 +27,11 @@ LAYERS_ENV = "MOE_GRAPHS_TEST_NUMERICS_LAYERS"
 SHAPES = {"qwen3-0.6b": 28, "qwen3-30b-a3b": 48,
           **json.loads(os.environ.get(LAYERS_ENV) or "{}")}
 MAX_TOKENS = 64
+# The KV cache of both engines ("auto": the model's dtype). An FP8 e4m3 cache ("fp8") is taken
+# over with MOE_GRAPHS_UNPROVEN=fp8_kv until this test proves it; stock runs its own FP8 path.
+KV_ENV = "MOE_GRAPHS_TEST_NUMERICS_KV_CACHE_DTYPE"
+KV_CACHE_DTYPE = os.environ.get(KV_ENV) or "auto"
+PLUGIN_ENV = {"MOE_GRAPHS_UNPROVEN": "fp8_kv"} if KV_CACHE_DTYPE.startswith("fp8") else {}
 TIMEOUT_S = engine_timeout_s(420)
 
 
@@ -40,13 +45,16 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
     model, vocab = shape_dir(tmp_path, shape, SHAPES[shape])
     llm_kwargs = {"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
                   "dtype": "bfloat16", "seed": 0, "max_model_len": 512, "max_num_seqs": 64,
-                  "enable_prefix_caching": False, **engine_memory_kwargs(0.85)}
+                  "enable_prefix_caching": False, "kv_cache_dtype": KV_CACHE_DTYPE,
+                  **engine_memory_kwargs(0.85)}
     spec = {"llm_kwargs": llm_kwargs, "prompts": numerics.prompts(vocab),
             "max_tokens": MAX_TOKENS, "seed": 0}
-    plugin = numerics.run(tmp_path, f"{shape}-plugin", spec, plugin=True, timeout_s=TIMEOUT_S)
+    plugin = numerics.run(tmp_path, f"{shape}-plugin", spec, plugin=True, timeout_s=TIMEOUT_S,
+                          env_extra=PLUGIN_ENV)
     variants = numerics.variants(os.environ.get(numerics.VARIANTS_ENV), shape)
     runs = {name: numerics.run(tmp_path, f"{shape}-{name}", numerics.variant_spec(spec, variant),
-                               plugin=not variant.get("stock"), timeout_s=TIMEOUT_S)
+                               plugin=not variant.get("stock"), timeout_s=TIMEOUT_S,
+                               env_extra={} if variant.get("stock") else PLUGIN_ENV)
             for name, variant in variants.items()}
     score = {f"{name}_tokens": [{"ids": p + t, "generated": len(t)}
                                 for p, t in zip(spec["prompts"], run["tokens"], strict=True)]
@@ -61,7 +69,7 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
                                 "plugin_tokens": stock["scores"][f"{name}_tokens"]}})}
         for name, run in runs.items()}
     summary.update(
-        shape=shape, layers=SHAPES[shape],
+        shape=shape, layers=SHAPES[shape], kv_cache_dtype=KV_CACHE_DTYPE,
         plugin_config=plugin["config"], stock_config=stock["config"],
         redrawn=[plugin["redrawn_parameters"], stock["redrawn_parameters"]],
         replays={k: metric(plugin["metrics"], "moe_graphs_replays_total", kind=k)
@@ -69,10 +77,13 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
         eager_fallbacks=metric(plugin["metrics"], "moe_graphs_eager_fallbacks_total"),
         startup_s=[plugin["startup_s"], stock["startup_s"]],
         plugin_log=plugin["log_lines"])
-    report(f"numerics-{shape}", summary)
+    kv = "" if KV_CACHE_DTYPE == "auto" else f"-kv-{KV_CACHE_DTYPE}"
+    report(f"numerics-{shape}{kv}", summary)
     # the plugin ran its graphs, stock ran without the plugin, on the same weights
     assert metric(plugin["metrics"], "moe_graphs_info", mode="graphs") == 1, summary
     assert summary["replays"]["decode"] > 0, summary
+    if PLUGIN_ENV:  # the plugin's backend ran on the FP8 cache
+        assert any(f"kv_cache_dtype {KV_CACHE_DTYPE}:" in ln for ln in plugin["log_lines"]), summary
     assert "moe_graphs" not in stock["metrics"], "stock must run without the plugin"
     assert "MoeGraphsWorker" not in stock["config"]["worker_cls"], stock["config"]
     assert plugin["redrawn_parameters"] == stock["redrawn_parameters"] > 0, summary

@@ -120,6 +120,25 @@ def test_mixed_graphs_match_kill_switch_eager(shape, tmp_path):
     assert summary["mixed_batch_fallbacks"] == 0, summary  # every such step was planned
 
 
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_mixed_graphs_on_an_fp8_kv_cache_match_kill_switch_eager(shape, tmp_path):
+    """`--kv-cache-dtype fp8` (taken over with MOE_GRAPHS_UNPROVEN=fp8_kv until proven): the KV
+    write quantizes with the layers' per-tensor scales, decode and prefill kernels read the e4m3
+    cache; the `run_mixed` traffic token-identical to the kill switch, every step kind
+    replayed."""
+    summary = run_mixed(tmp_path, shape, f"mixed-fp8-kv-{shape}",
+                        {"skip_moe_padding": True} if shape == "qwen3-30b-a3b" else {},
+                        llm_extra={"kv_cache_dtype": "fp8"},
+                        env_extra={"MOE_GRAPHS_UNPROVEN": "fp8_kv"})
+    report(f"parity-mixed-fp8-kv-{shape}", summary)
+    assert any("kv_cache_dtype fp8:" in ln for ln in summary["log_lines"]), summary["log_lines"]
+    (row,) = summary["rows"]
+    assert row["identical_sequences"] == row["sequences"], row
+    assert row["replays"] > 0 and row["replays_while_killed"] == 0, row
+    assert summary["replays_by_kind"]["mixed"] > 0, summary["replays_by_kind"]
+    assert summary["mixed_batch_fallbacks"] == 0, summary
+
+
 def test_mixed_graphs_with_fused_moe_routing_match_kill_switch_eager(tmp_path):
     """fuse_moe_padding_mask: every MoE layer of the Qwen3-30B-A3B shape routes through the
     plugin's top-k softmax, which writes the padding rows' sentinel ids in the same launch (no
