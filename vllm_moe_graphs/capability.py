@@ -123,7 +123,7 @@ PROVEN_QUANTIZATION: frozenset[str] = frozenset()
 # KV cache dtypes other than "auto" proven the same way; an FP8 e4m3 cache ("fp8", "fp8_e4m3")
 # has kernels and a backend path but no GPU parity yet.
 PROVEN_KV_CACHE_DTYPES: frozenset[str] = frozenset()
-FP8_KV_CACHE_DTYPES = frozenset({"fp8", "fp8_e4m3"})
+FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3")  # vLLM's names, per-tensor scales
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
+from vllm_moe_graphs.capability import FP8_KV_CACHE_DTYPES  # the e4m3 cache, per-tensor scales
 from vllm_moe_graphs.integration.attention import BACKEND_NAME
 from vllm_moe_graphs.integration.attention.flash_attn import flash_attn_prefill
 from vllm_moe_graphs.integration.attention.metadata import (
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
     from vllm.platforms.interface import DeviceCapability
 
-# vLLM's names of the FP8 e4m3 cache with per-tensor scales (layer._k_scale / _v_scale)
-FP8_KV_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3")
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES)
 MIN_COMPUTE_CAPABILITY = 80  # bf16 tensor cores (Ampere); developed and tested on an H200
 MIN_FP8_KV_COMPUTE_CAPABILITY = 89  # native e4m3 (fp8e4nv) in Triton, as vLLM's TRITON_ATTN
