@@ -115,6 +115,19 @@ def quantize_e4m3(x, scale):
 
 
 @triton.jit
+def load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """An FP8 cache's (k_scale, v_scale), read from device memory; (1.0, 1.0), unused, for an
+    unquantized cache (its pointers are None)."""
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
+
+
+@triton.jit
 def dequantize_kv(x, scale, DTYPE: tl.constexpr):
     """float8e4nv tile -> DTYPE: x.to(float32) * scale, rounded to DTYPE (vLLM's read)."""
     return (x.to(tl.float32) * scale).to(DTYPE)

@@ -33,6 +33,7 @@ from vllm_moe_graphs.ops.decode_plan import (
     DecodeKernelConfig,
     check_decode_workspace,
 )
+from vllm_moe_graphs.ops.kv_quant import load_kv_scales
 from vllm_moe_graphs.ops.kv_write import (
     check_attention_io,
     check_index_tensor,
@@ -116,12 +117,7 @@ def _paged_decode_kernel(
     )
     if not USE_DOT:
         q = q.to(tl.float32)
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0  # unused
-        v_scale = 1.0
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_moe_graphs.ops.kv_quant import load_kv_scales
 from vllm_moe_graphs.ops.kv_write import (
     check_attention_io,
     check_index_tensor,
@@ -148,12 +149,7 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE], dtype=tl.float32)
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0  # unused
-        v_scale = 1.0
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
     # Causal horizon of the block's last query token, clipped to the context.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
