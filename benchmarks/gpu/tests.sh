@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
 #   bash benchmarks/gpu/tests.sh tier                     (every GPU test but the FP8 KV ones in
-#                                                          seven lanes: ~9 minutes on an H100)
+#                                                          eight lanes, under 9 minutes on an H100)
 #   bash benchmarks/gpu/tests.sh fp8                      (the FP8 KV cache's parity and numerics)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu",
@@ -40,14 +40,15 @@ export MOE_GRAPHS_TEST_OUT=$OUT
 if [ "${1:-}" = tier ]; then
   # the whole tier, balanced by the tests' durations on the H100 and H200 (the engine parity
   # tests of the two shapes are the longest, 4.5-6 minutes each with lanes sharing the GPU;
-  # the first lane, unit and kernel tests, 7.7 minutes on the H200 and ~9 on the H100)
+  # the unit, kernel, backend and sampling tests took ~9 minutes in one lane on the H100, so
+  # the backend's engine tests and the sampling test have a lane of their own)
   P=tests/graphs/test_gpu_parity.py F=tests/graphs/test_gpu_faults.py
   S=tests/graphs/test_gpu_serve.py
   # the numerics test beside the other lanes: Qwen3-30B-A3B cut to 12 of its 48 layers (all 48
   # are ~61 GB of weights, more than an H100 holds beside the other lanes)
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
-    tests/integration tests/attention tests/graphs/test_gpu_sampling.py \
+    tests/integration + -m gpu tests/attention tests/graphs/test_gpu_sampling.py \
     + -m gpu tests/graphs/test_gpu_numerics.py tests/graphs/test_gpu_refusals.py \
     + -m gpu "$P::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
     "$P::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \
