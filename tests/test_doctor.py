@@ -359,3 +359,10 @@ def test_unproven_fp8_kv_is_taken_over_and_said(capsys, monkeypatch):
     assert "unsupported_dtype" not in out
     assert ("MOE_GRAPHS_UNPROVEN: an FP8 KV cache (kv_cache_dtype fp8) taken over, not yet "
             "proven") in out
+
+
+def test_unproven_is_not_said_where_another_reason_refuses(capsys, monkeypatch):
+    monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", "fp8_kv")
+    code, out = _run(capsys, "qwen3-30b-a3b", "--kv-cache-dtype", "fp8", "-pp", "2")
+    assert code == doctor.EXIT_NOT_ELIGIBLE and "pipeline_parallel" in out
+    assert "MOE_GRAPHS_UNPROVEN" not in out

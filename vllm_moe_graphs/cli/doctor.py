@@ -15,6 +15,7 @@ import sys
 from vllm_moe_graphs import __version__
 from vllm_moe_graphs.capability import (
     DecodeGraphCapability,
+    Reason,
     config_capability,
     unproven_taken_over,
 )
@@ -264,9 +265,12 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
              + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
                             vllm_sets_aside_graph_memory()))
     facts = facts_from_engine_args(engine_args, hf)
-    steps += [f"MOE_GRAPHS_UNPROVEN: {x} taken over, not yet proven against stock vLLM on a "
-              "GPU: for parity runs, not for serving" for x in unproven_taken_over(facts)]
-    return model, config_capability(facts), steps, unread
+    report = config_capability(facts)
+    # said only where the plugin would take it over (on a GPU host: no_cuda aside)
+    if set(report.reasons) <= {Reason.ELIGIBLE, Reason.NO_CUDA}:
+        steps += [f"MOE_GRAPHS_UNPROVEN: {x} taken over, not yet proven against stock vLLM on a "
+                  "GPU: for parity runs, not for serving" for x in unproven_taken_over(facts)]
+    return model, report, steps, unread
 
 
 def main(argv: list[str]) -> int:

@@ -35,11 +35,12 @@ def engine_capability(vllm_config: VllmConfig) -> tuple[PluginConfig, DecodeGrap
     report."""
     plugin = plugin_config(vllm_config.additional_config)
     facts = facts_from_vllm_config(vllm_config, plugin)
-    if taken := unproven_taken_over(facts):
+    report = config_capability(facts)
+    if report.eligible and (taken := unproven_taken_over(facts)):
         logger.warning("moe_graphs: MOE_GRAPHS_UNPROVEN: taking over %s, not yet proven against "
                        "stock vLLM on a GPU: for parity runs, not for serving",
                        " and ".join(taken))
-    return plugin, config_capability(facts)
+    return plugin, report
 
 
 WORKER_CLS = "vllm_moe_graphs.integration.worker.MoeGraphsWorker"
