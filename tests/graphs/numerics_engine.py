@@ -54,7 +54,9 @@ def main(spec_path: str) -> None:
         "config": {"worker_cls": cfg.parallel_config.worker_cls,
                    "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
                    "compilation_mode": str(cfg.compilation_config.mode),
-                   "attention_backend": str(cfg.attention_config.backend)},
+                   "attention_backend": str(cfg.attention_config.backend),
+                   "ir_op_priority": {op: list(getattr(cfg.kernel_config.ir_op_priority, op))
+                                      for op in ("rms_norm", "fused_add_rms_norm")}},
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [[pos[t].logprob for pos, t in zip(o.outputs[0].logprobs,
                                                         o.outputs[0].token_ids)]
