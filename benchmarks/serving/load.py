@@ -51,6 +51,9 @@ class Workload:
     server: str = "default"  # the server it needs: "default" or "moe_offload"
     # sampling parameters of every request over greedy (temperature 0), as (name, value) pairs
     sampling: tuple[tuple[str, float], ...] = ()
+    # the greedy workload of the same lengths it samples over: what its sampling costs is read
+    # against that one's rows (report.sampling_costs)
+    greedy_twin: str | None = None
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -65,7 +68,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("chat_sampled", (128, 1024), (128, 256),
                  "chat prompts and lengths, sampled as Qwen3's model card advises for chat "
                  "(temperature 0.7, top-p 0.8, top-k 20)",
-                 sampling=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20))),
+                 sampling=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20)),
+                 greedy_twin="chat"),
         Workload("long", (4096, 8192), (128, 128),
                  "prompts of 4096-8192 tokens (chunked prefill splits them over several steps), "
                  "128 output tokens"),

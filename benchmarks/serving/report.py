@@ -5,7 +5,9 @@ Ratio keys: `<metric>_<A>_over_<B>/<model>/<workload>/r<rate>`, time of A over t
 means B is faster), for metric in RATIO_METRICS with B = plugin and A each stock mode; and
 `otps_plugin_over_<A>/...`, output tokens/s of the plugin over A's (> 1 means the plugin serves
 more). A merged file lists the ratios whose rows come from two runs (`ratios_across_runs`).
-`ratio_intervals` holds, under the same keys, each latency ratio's bootstrap interval from the
+`sampling_costs`: `<metric>_<W>_over_<G>/<model>/<mode>/r<rate>`, a sampled workload W's time
+over its greedy twin G's (`Workload.greedy_twin`) in the same mode and run, for the metrics in
+SAMPLING_COST_METRICS (> 1: what sampling costs). `ratio_intervals` holds, under the same keys, each latency ratio's bootstrap interval from the
 rows' per-request samples (paired within a run, apart across runs): how far the windows' own
 sampling can move it.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.plot import pyplot_or_none
-from benchmarks.serving.load import Workload, rate_label
+from benchmarks.serving.load import WORKLOADS, Workload, rate_label
 
 SCHEMA = "vllm_moe_graphs.serve_bench/1"
 EXIT_NO_ROWS = 1
@@ -31,6 +33,7 @@ RATIO_METRICS = {  # ratio metric -> (row field, statistic)
     "tpot_p99": ("tpot_ms", "p99"),
     "e2e_p50": ("e2e_ms", "p50"),
 }
+SAMPLING_COST_METRICS = ("ttft_p50", "tpot_p50", "tpot_p99")
 # The saturating rate is the lowest measured rate whose TTFT p50 or TPOT p50 is past
 # LATENCY_KNEE times the lowest rate's: the knee where queueing (TTFT) or batch growth (TPOT)
 # takes over. Throughput alone cannot tell: with short windows the drain of the last requests
@@ -123,6 +126,25 @@ def ratio_intervals(rows: Iterable[Mapping[str, Any]], resamples: int = RESAMPLE
     return out
 
 
+def sampling_costs(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """What sampling costs each mode: a sampled workload's time over its greedy twin's at the
+    same model, mode and rate, both rows measured in the same run (see the module docstring)."""
+    by_point = {(r["model"], r["mode"], r["workload"], r["rate"], r.get("run")): r
+                for r in rows if r.get("completed")}
+    out = {}
+    for (model, mode, workload, rate, run), row in sorted(by_point.items(),
+                                                         key=lambda kv: str(kv[0])):
+        twin = getattr(WORKLOADS.get(workload), "greedy_twin", None)
+        if (greedy := by_point.get((model, mode, twin, rate, run))) is None:
+            continue
+        for metric in SAMPLING_COST_METRICS:
+            a, b = (_stat(r, *RATIO_METRICS[metric]) for r in (row, greedy))
+            if a is not None and b:
+                key = f"{metric}_{workload}_over_{twin}/{model}/{mode}/{rate_label(rate)}"
+                out[key] = round(a / b, 3)
+    return out
+
+
 def ratios_across_runs(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     """The ratio keys whose two rows come from different runs (`run`, set by `merge`): not
     measured side by side, so machine-to-machine noise is in them."""
@@ -201,6 +223,9 @@ def format_table(doc: Mapping[str, Any]) -> str:
         iv = intervals.get(key)
         lines.append(f"  {key:<58} {value:6.3f}" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
                      + (" *" if key in across else ""))
+    if costs := doc.get("sampling_costs"):
+        lines += ["", "sampling costs (sampled time / greedy time, same mode): > 1 = slower "
+                  "sampled"] + [f"  {key:<58} {value:6.3f}" for key, value in costs.items()]
     lines.append("")
     for key, sat in doc["saturation"].items():
         at = f"saturates at {sat['saturated_at']:g} req/s" if sat["saturated_at"] is not None \
@@ -259,6 +284,8 @@ def assemble(name: str, model: str, env: dict[str, Any], workloads: dict[str, An
            "saturation": saturation(rows), "skipped": skipped}
     if intervals := ratio_intervals(rows):
         doc["ratio_intervals"] = intervals
+    if costs := sampling_costs(rows):
+        doc["sampling_costs"] = costs
     if across := ratios_across_runs(rows):
         doc["ratios_across_runs"] = across
     check_schema(doc)

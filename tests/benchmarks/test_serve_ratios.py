@@ -35,6 +35,28 @@ def test_ratio_keys_and_direction():
                                                 "otps_plugin_over_stock_triton"}
 
 
+def test_sampling_costs_read_each_mode_against_its_own_greedy_twin():
+    assert WORKLOADS["chat_sampled"].greedy_twin == "chat"
+    rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0),
+            _row("plugin", 16, 50.0, 3.0, 2900.0, workload="chat_sampled"),
+            _row("stock", 16, 50.0, 2.75, 2800.0, workload="chat_sampled"),
+            _row("stock", 4, 10.0, 1.0, 700.0, workload="chat_sampled"),  # no greedy row at 4
+            _row("plugin", 2, 5.0, 1.0, 500.0, workload="long")]  # not a sampled workload
+    costs = serve_report.sampling_costs(rows)
+    assert costs == {"ttft_p50_chat_sampled_over_chat/m/plugin/r16": 1.25,
+                     "tpot_p50_chat_sampled_over_chat/m/plugin/r16": 1.5,
+                     "tpot_p99_chat_sampled_over_chat/m/plugin/r16": 1.5,
+                     "ttft_p50_chat_sampled_over_chat/m/stock/r16": 1.0,
+                     "tpot_p50_chat_sampled_over_chat/m/stock/r16": 1.1,
+                     "tpot_p99_chat_sampled_over_chat/m/stock/r16": 1.1}
+    # rows of two runs (a merge) are not read against each other
+    merged = [{**r, "run": "a.json" if r["workload"] == "chat" else "b.json"} for r in rows]
+    assert serve_report.sampling_costs(merged) == {}
+    doc = serve_report.assemble("n", "m", {}, {}, {}, rows, [])
+    assert doc["sampling_costs"] == costs
+    assert "tpot_p50_chat_sampled_over_chat/m/plugin/r16" in serve_report.format_table(doc)
+
+
 def test_a_second_plugin_mode_gets_its_own_ratios():
     rows = [_row("plugin", 16, 40.0, 2.0, 3000.0), _row("stock", 16, 50.0, 2.5, 2900.0),
             _row("plugin_decode_only", 16, 25.0, 1.25, 3100.0)]
