@@ -62,6 +62,38 @@ def run_result_script(code: str, cpu_vllm: str, timeout: float = 600,
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+# `build(head_dim, dtype, port=None)`: a tiny Qwen3 (2 layers, hidden 128) built in-process by
+# vLLM 0.26's own model class on its CPU build; the first build of a process passes a free port
+# (vLLM's distributed state). Prefix of a `run_result_script` script.
+QWEN3_BUILD = r"""
+import json, sys, tempfile
+import torch
+from transformers import Qwen3Config
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+def build(head_dim, dtype, port=None):
+    path = tempfile.mkdtemp()
+    Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=128,
+                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=head_dim,
+                max_position_embeddings=256).save_pretrained(path)
+    vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype))
+    with set_current_vllm_config(vc):
+        if port:
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(1, 1)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype))  # what vLLM's loader does
+        try:
+            return Qwen3ForCausalLM(vllm_config=vc, prefix="")
+        finally:
+            torch.set_default_dtype(old)
+
+"""
+
 # A tiny Qwen3-MoE (2 layers, Qwen3-30B-A3B's 128 experts and top-8), built in-process by vLLM
 # 0.26's own model class on its CPU build (`run_on_tiny_qwen3_moe`).
 TINY_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64,
@@ -94,13 +126,14 @@ with set_current_vllm_config(vc):
 
 
 def run_on_tiny_qwen3_moe(body: str, cpu_vllm: str, compilation_mode: str = "default",
-                          **config: object) -> dict:
+                          env: dict[str, str] | None = None, **config: object) -> dict:
     """Build `TINY_QWEN3_MOE` (updated with `config`) with vLLM's `Qwen3MoeForCausalLM` on the
     CPU build (`compilation_mode`: a `CompilationMode` name, or vLLM's default), then run
-    `body` (names `model`, `vc`, `torch`, `json` defined; it prints `RESULT {...}`); return
-    its result."""
+    `body` (names `model`, `vc`, `torch`, `json` defined; it prints `RESULT {...}`) with `env`
+    added to the environment; return its result."""
     return run_result_script(_QWEN3_MOE_BUILD + body, cpu_vllm,
-                             argv=(json.dumps({**TINY_QWEN3_MOE, **config}), compilation_mode))
+                             argv=(json.dumps({**TINY_QWEN3_MOE, **config}), compilation_mode),
+                             **(env or {}))
 
 
 @contextlib.contextmanager

@@ -74,6 +74,11 @@ class PluginConfig:
     # Qwen3 attention's q/k RMSNorm + RoPE as vLLM's one fused kernel
     # (integration/model/qk_norm_rope.py); attention modules it cannot serve stay unfused, by name.
     fuse_qk_norm_rope: bool = True
+    # The residual-stream RMSNorms and the dense MLP's SiLU-and-mul rounded as stock vLLM's
+    # torch.compile'd model rounds them (integration/model/compiled_numerics.py: fp32 residual
+    # sum normalised, one rounding per output), by the plugin's Triton kernels; false: vLLM's
+    # uncompiled CUDA kernels.
+    compiled_numerics: bool = True
     # Pure-decode steps prepare vLLM's input buffers on the host with a few copies
     # (integration/runner/decode_inputs.py) instead of vLLM's general path, and a replayed step
     # builds no attention metadata (the graph reads the persistent buffers); false: vLLM's path.
@@ -240,6 +245,7 @@ _PARSERS = {
     "precapture": _bool,
     "small_m_gemm": _bool_or_auto,
     "fuse_qk_norm_rope": _bool,
+    "compiled_numerics": _bool,
     "fast_decode_inputs": _bool,
     "logits_in_graph": _bool,
     "mixed_graphs": _bool,

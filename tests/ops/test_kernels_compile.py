@@ -107,7 +107,8 @@ def _launch_every_kernel() -> None:
     """Each launcher at Qwen3 shapes in bf16 (contents do not matter: nothing runs): KV write,
     decode attention split and unsplit (its reduce) and prefill attention at short and long
     queries, for both attention shapes; small-M GEMM unsplit, and split (its reduce) with the
-    weight as the A operand and a bias; the MoE routing with and without a row count."""
+    weight as the A operand and a bias; the MoE routing with and without a row count; RMSNorm
+    with and without the residual and SiLU-and-mul at both shapes' widths."""
     from vllm_moe_graphs.ops import (
         DecodeKernelConfig,
         SmallMGemmConfig,
@@ -118,6 +119,7 @@ def _launch_every_kernel() -> None:
         split_kv_cache,
         write_kv,
     )
+    from vllm_moe_graphs.ops import norm_act
     from vllm_moe_graphs.ops.moe_router import topk_softmax
 
     bf16, d, bs, nb = torch.bfloat16, 128, 16, 8
@@ -144,14 +146,19 @@ def _launch_every_kernel() -> None:
     logits = torch.zeros(8, 128, dtype=bf16)  # Qwen3-30B-A3B's router: 128 experts, top-8
     topk_softmax(logits, 8, True)
     topk_softmax(logits, 8, True, real=torch.ones(1, dtype=torch.int32), sentinel=128)
+    for hidden, inter in ((1024, 3072), (2048, 6144)):  # Qwen3-0.6B, Qwen3-30B-A3B (dense MLP)
+        rows, w = torch.zeros(4, hidden, dtype=bf16), torch.zeros(hidden, dtype=bf16)
+        norm_act.rms_norm(rows, w, 1e-6)
+        norm_act.fused_add_rms_norm_(rows, torch.zeros_like(rows), w, 1e-6)
+        norm_act.silu_and_mul(torch.zeros(4, 2 * inter, dtype=bf16))
 
 
 def test_every_kernel_compiles_for_the_h200(launches) -> None:
     _launch_every_kernel()
     names = sorted({spec["name"] for spec in launches})
     assert names == ["_decode_reduce_kernel", "_paged_decode_kernel", "_paged_prefill_kernel",
-                     "_small_m_gemm_kernel", "_small_m_reduce_kernel", "_topk_softmax_kernel",
-                     "_write_kv_kernel"], names
+                     "_rms_norm_kernel", "_silu_and_mul_kernel", "_small_m_gemm_kernel",
+                     "_small_m_reduce_kernel", "_topk_softmax_kernel", "_write_kv_kernel"], names
     proc = _compile(launches)
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = json.loads(proc.stdout.split("COMPILED ", 1)[1])

@@ -11,36 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from tests.gpu_util import require_cuda_and_vllm
-from tests.serve_util import run_result_script
+from tests.serve_util import QWEN3_BUILD, run_result_script
 from vllm_moe_graphs.config import PluginConfig
 
-_BUILD = r"""
-import json, sys, tempfile
-import torch
-from transformers import Qwen3Config
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+_BUILD = QWEN3_BUILD + r"""
 from vllm_moe_graphs.integration.model import qk_norm_rope as qnr
-
-def build(head_dim, dtype, port=None):
-    path = tempfile.mkdtemp()
-    Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=128,
-                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=head_dim,
-                max_position_embeddings=256).save_pretrained(path)
-    vc = VllmConfig(model_config=ModelConfig(model=path, skip_tokenizer_init=True, dtype=dtype))
-    with set_current_vllm_config(vc):
-        if port:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
-            initialize_model_parallel(1, 1)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(getattr(torch, dtype))  # what vLLM's loader does
-        try:
-            return Qwen3ForCausalLM(vllm_config=vc, prefix="")
-        finally:
-            torch.set_default_dtype(old)
 
 def attn(model):
     return [m for n, m in model.named_modules() if n.endswith("self_attn")]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_moe_graphs.integration.patch import attention_forward
+from vllm_moe_graphs.integration.patch import module_forward
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -103,7 +103,7 @@ def install_fused_qk_norm_rope(model: torch.nn.Module) -> dict[str, str]:
     for name, module in owners.items():
         why = refusal(module)
         if why is None:
-            attention_forward.install(module, fused_forward)
+            module_forward.install(module, fused_forward)
         out[name] = why or "fused"
     fused = sum(v == "fused" for v in out.values())
     logger.info("moe_graphs: fused q/k norm + RoPE in %d of %d attention layers%s", fused,

@@ -71,6 +71,7 @@ class GraphLifecycle:
         self.logits: GraphLogits | None = None  # logits_in_graph, with `inputs`
         self.linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
         self.fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
+        self.norms: dict[str, str] = {}  # compiled_numerics: module -> installed or why not
         self.moe_padding: MoePadding | None = None  # skip_moe_padding, for an MoE model
         self.lean_replay = False  # a replay may skip the attention metadata (`builds_metadata`)
         self.idle_settled = False  # idle_capture said it has nothing left (precapture.py)
@@ -104,6 +105,13 @@ class GraphLifecycle:
             from vllm_moe_graphs.integration.model.qk_norm_rope import install_fused_qk_norm_rope
 
             self.fused_attn = install_fused_qk_norm_rope(model)
+        if c.enabled and c.compiled_numerics and proof.holds:
+            from vllm_moe_graphs.integration.model.compiled_numerics import (
+                install_compiled_numerics,
+            )
+
+            mc = self._runner.model_config
+            self.norms = install_compiled_numerics(model, mc.get_hidden_size(), mc.dtype)
         if c.enabled and c.skip_moe_padding and proof.holds:
             self.moe_padding = install_moe_padding(model, self._runner,
                                                    c.fuse_moe_padding_mask)
