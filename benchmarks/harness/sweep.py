@@ -292,7 +292,9 @@ def execute_interleaved(
         for w in started:
             if w.error is None:
                 w.send("quit")
-            done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+            # after `quit` a worker may profile (BENCH_PROFILE): every batch under every preset
+            done.append((w.spec, *w.finish(120.0 * len(w.spec.sampling) if w.error is None
+                                           else KILL_GRACE_S)))
     model = specs[0].model if specs else ""
     skipped += [{"model": model, "mode": m, "batch": b, "context": c, "sampling": s,
                  "repeats_skipped": n, "reason": "time budget"} for (m, b, c, s), n in cut.items()]
