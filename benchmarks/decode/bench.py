@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import report
+from benchmarks.decode.sampling_cost import format_sampling_cost
 from benchmarks.harness import machine, plot, sweep
 from benchmarks.harness.modes import DEFAULT_MODES, MODES, parse_modes
 from benchmarks.harness.profile_prefill import prefill_token_counts
@@ -29,6 +30,7 @@ from benchmarks.harness.protocol import (
     merge_rounds,
     spec_to_json,
 )
+from benchmarks.harness.sampling import GREEDY, PRESETS, parse_presets
 from benchmarks.harness.shapes import MODELS, REPO_ROOT
 
 EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
@@ -54,6 +56,9 @@ _EPILOG = "\n".join(
     [
         "modes:",
         *(f"  {name:<22}{mode.description}" for name, mode in MODES.items()),
+        "",
+        "sampling presets:",
+        *(f"  {name:<22}{p.description}" for name, p in PRESETS.items()),
         "",
         "merge: python -m benchmarks.decode merge FILE.json [FILE.json ...] --name NAME",
         "       [--results-dir DIR] [--no-plot]: rows of later files win on the same",
@@ -90,6 +95,13 @@ def run_parser() -> argparse.ArgumentParser:
         type=_int_list,
         default=[1, 8, 32, 64],
         help="comma-separated decode batch sizes (default: 1,8,32,64); max_num_seqs = the largest",
+    )
+    ap.add_argument(
+        "--sampling",
+        type=_str_list,
+        default=[GREEDY],
+        help="comma-separated sampling presets: every point is measured under each, back to "
+        f"back (default: {GREEDY}; valid: {', '.join(PRESETS)}; see below)",
     )
     ap.add_argument(
         "--contexts",
@@ -144,7 +156,9 @@ def run_parser() -> argparse.ArgumentParser:
         help="vLLM gpu_memory_utilization for every mode (default: 0.85)",
     )
     ap.add_argument(
-        "--seed", type=int, default=0, help="vLLM seed and prompt RNG seed (default: 0)"
+        "--seed", type=int, default=0,
+        help="vLLM seed, prompt RNG seed and first request seed of a seeded --sampling preset "
+        "(request i of a point: seed + i) (default: 0)"
     )
     ap.add_argument(
         "--time-budget-s",
@@ -205,6 +219,7 @@ def merge_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace) -> None:
     """Option errors (ValueError) before anything else runs, GPU check included."""
     parse_modes(args.modes)
+    parse_presets(args.sampling)
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or not args.models:
         raise ValueError(
@@ -247,9 +262,9 @@ def finish(doc: dict[str, Any], results_dir: Path, no_plot: bool) -> int:
     if summary:
         print(summary, flush=True)
     print(report.format_table(doc), flush=True)
-    paired = report.format_repeat_summary(doc)
-    if paired:
-        print(paired, flush=True)
+    for text in (report.format_repeat_summary(doc), format_sampling_cost(doc)):
+        if text:
+            print(text, flush=True)
     return 0 if doc["rows"] else EXIT_NO_ROWS
 
 
@@ -270,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     specs, absent, layers, shapes = sweep.plan(args, work_dir)
     if args.dry_run:
-        plan = {"absent": absent, "layers": layers, "workers": [spec_to_json(s) for s in specs]}
+        plan = {"absent": absent, "layers": layers,
+                "sampling": {s: PRESETS[s].record() for s in parse_presets(args.sampling)},
+                "workers": [spec_to_json(s) for s in specs]}
         print(json.dumps(plan, indent=1), flush=True)
         return 0
     if args.interleave and (gpu_bytes := machine.gpu_memory_bytes()):
@@ -283,6 +300,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"decode benchmark: {why}", file=sys.stderr, flush=True)
                 return 2
     print(f"decode benchmark: {len(specs)} worker(s), logs in {work_dir}", flush=True)
+    if specs:
+        s = specs[0]
+        print(f"  each: {len(s.points())} point(s) x {len(s.sampling)} sampling preset(s) "
+              f"({', '.join(s.sampling)}) x {s.repeats} repeat(s)"
+              f"{' after a warm-up pass' if s.interleaved else ''}", flush=True)
     for mode, why in absent.items():
         print(f"  absent {mode}: {why}", flush=True)
     t_end = None if args.time_budget_s is None else t_start + args.time_budget_s - sweep.RESERVE_S

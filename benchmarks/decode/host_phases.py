@@ -20,17 +20,15 @@ import tempfile
 from typing import Any
 
 from benchmarks.harness import profile_steps
+from benchmarks.harness.mode_worker import request_params
 
 
 def measure(llm: Any, batch: int, context: int, steps: int, vocab: int) -> list[str]:
     """Phase table for one batch (lines of text)."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
-    def make_params(n: int) -> Any:
-        return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
+    def make_params(n: int, sampling: str, index: int) -> Any:
+        return request_params(n, sampling, 0, index)
 
     d = profile_steps._Decoding(llm, batch, context, 2 * steps + 32, vocab, make_params,
                                 lambda ids: TokensPrompt(prompt_token_ids=ids), f"hp{batch}")

@@ -1,4 +1,5 @@
-"""Turn worker results into the benchmark JSON: rows, ratios, merge, and the printed table.
+"""Turn worker results into the benchmark JSON: rows, ratios, merge, and the printed table and
+per-point summaries (the cost of sampling: `sampling_cost`).
 
 The ratio set is `RATIO_RULES` below (also written into every JSON).
 """
@@ -12,8 +13,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.decode.sampling_cost import sampling_cost
 from benchmarks.harness.modes import EAGER_MODES, GRAPH_MODES, MODES, STOCK_GRAPH_MODES, Family
 from benchmarks.harness.protocol import SCHEMA, WorkerResult, write_json_atomic
+from benchmarks.harness.sampling import GREEDY, PRESETS, key_suffix
 from benchmarks.harness.shapes import ModelShape, decode_step_bytes, floor_ms
 from benchmarks.harness.stats import percentile
 
@@ -22,15 +25,18 @@ PLUGIN_GRAPH_VARIANTS = tuple(m for m in GRAPH_MODES
                               if MODES[m].family is Family.PLUGIN and m != "plugin_graphs")
 NOISY_SPREAD = 0.2  # (p90 - p10) / p50 above this marks a row noisy
 RATIO_RULES = """\
-Ratio keys are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`, value
+Ratio keys of rules 1-4 are exactly `tpot_<modeA>_over_<modeB>/<model>/b<batch>/c<context>`
+(greedy requests; for another sampling preset P of --sampling the key ends in `/P`), value
 tpot_p50(A) / tpot_p50(B), so a value above 1 means B is faster. At every (model, batch, context)
-point that has measurements, with "best stock graph mode" = the stock graph mode with the lowest
-tpot_p50 there:
+point and preset that has measurements, with "best stock graph mode" = the stock graph mode with
+the lowest tpot_p50 there:
   1. every other stock mode over the best stock graph mode;
   2. every eager mode (stock_eager, plugin_eager) over every graph mode;
   3. every stock mode over plugin_graphs (and over plugin_graphs_experimental,
      plugin_graphs_cublas and plugin_graphs_fused_router), when measured;
-  4. plugin_graphs over every other plugin graph mode (an option's gain, one ratio)."""
+  4. plugin_graphs over every other plugin graph mode (an option's gain, one ratio);
+  5. the cost of sampling: every mode's tpot_p50 under each preset P other than greedy over its
+     greedy one, `tpot_<P>_over_greedy/<mode>/<model>/b<batch>/c<context>`."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,6 +45,7 @@ class Row:
     batch: int
     context: int
     mode: str
+    sampling: str  # the requests' sampling preset (harness/sampling.py); older files: greedy
     tpot_ms_p50: float
     tpot_ms_p10: float
     tpot_ms_p90: float
@@ -62,7 +69,7 @@ class Row:
 
 def build_rows(result: WorkerResult, shape: ModelShape, bandwidth_gbps: float | None) -> list[Row]:
     rows = []
-    for p in sorted(result.points, key=lambda p: (p.batch, p.context)):
+    for p in sorted(result.points, key=lambda p: (p.batch, p.context, _preset_order(p.sampling))):
         if not p.step_ms:
             continue
         p50, p10, p90 = (percentile(p.step_ms, q) for q in (50, 10, 90))
@@ -74,6 +81,7 @@ def build_rows(result: WorkerResult, shape: ModelShape, bandwidth_gbps: float | 
                 batch=p.batch,
                 context=p.context,
                 mode=result.mode,
+                sampling=p.sampling,
                 tpot_ms_p50=round(p50, 4),
                 tpot_ms_p10=round(p10, 4),
                 tpot_ms_p90=round(p90, 4),
@@ -107,20 +115,36 @@ def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def ratio_key(mode_a: str, mode_b: str, model: str, batch: int, context: int) -> str:
-    return f"tpot_{mode_a}_over_{mode_b}/{model}/b{batch}/c{context}"
+def ratio_key(mode_a: str, mode_b: str, model: str, batch: int, context: int,
+              sampling: str = GREEDY) -> str:
+    return f"tpot_{mode_a}_over_{mode_b}/{model}/b{batch}/c{context}{key_suffix(sampling)}"
+
+
+def sampling_key(sampling: str, mode: str, model: str, batch: int, context: int) -> str:
+    """Rule 5's key: `mode`'s TPOT under preset `sampling` over its greedy TPOT."""
+    return f"tpot_{sampling}_over_{GREEDY}/{mode}/{model}/b{batch}/c{context}"
+
+
+def sampling_of(row: dict[str, Any]) -> str:
+    return row.get("sampling", GREEDY)  # files from before --sampling: greedy
+
+
+def _points(rows: Iterable[dict[str, Any]], field: str = "tpot_ms_p50"
+            ) -> dict[tuple[str, int, int, str], dict[str, Any]]:
+    """(model, batch, context, sampling) -> {mode: row[field]}."""
+    points: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+    for r in rows:
+        at = (r["model"], r["batch"], r["context"], sampling_of(r))
+        points.setdefault(at, {})[r["mode"]] = r[field]
+    return points
 
 
 def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
     """The ratio set of RATIO_RULES, from rows as dicts."""
-    points: dict[tuple[str, int, int], dict[str, float]] = {}
-    for row in rows:
-        points.setdefault((row["model"], row["batch"], row["context"]), {})[row["mode"]] = row[
-            "tpot_ms_p50"
-        ]
+    points = _points(rows)
     ratios: dict[str, float] = {}
 
-    def put(a: str, b: str, at: tuple[str, int, int], tpot: dict[str, float]) -> None:
+    def put(a: str, b: str, at: tuple[str, int, int, str], tpot: dict[str, float]) -> None:
         if a != b and a in tpot and b in tpot and tpot[b] > 0:
             ratios[ratio_key(a, b, *at)] = round(tpot[a] / tpot[b], 4)
 
@@ -140,6 +164,12 @@ def compute_ratios(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
                 put(mode, plugin, at, tpot)
         for variant in PLUGIN_GRAPH_VARIANTS:
             put("plugin_graphs", variant, at, tpot)
+    for (model, batch, context, sampling), tpot in sorted(points.items()):
+        greedy = points.get((model, batch, context, GREEDY), {})
+        for mode in tpot if sampling != GREEDY else ():
+            if greedy.get(mode):
+                key = sampling_key(sampling, mode, model, batch, context)
+                ratios[key] = round(tpot[mode] / greedy[mode], 4)
     return ratios
 
 
@@ -151,10 +181,10 @@ def assemble(
     failures: list[dict[str, Any]],
     skipped: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    rows = sorted(
-        rows, key=lambda r: (r["model"], r["batch"], r["context"], _mode_order(r["mode"]))
-    )
+    rows = sorted(rows, key=lambda r: (r["model"], r["batch"], r["context"],
+                                       _preset_order(sampling_of(r)), _mode_order(r["mode"])))
     measured = {r["mode"] for r in rows}
+    presets = sorted({sampling_of(r) for r in rows}, key=_preset_order)
     return {
         "schema": SCHEMA,
         "name": name,
@@ -162,9 +192,11 @@ def assemble(
         "rows": rows,
         "absent": {m: why for m, why in absent.items() if m not in measured},
         "ratios": compute_ratios(rows),
+        "sampling_cost": sampling_cost(rows),  # rule 5's ratios with their ms, paired
         "failures": failures,
         "skipped": skipped,
         "modes": {m: mode.description for m, mode in MODES.items()},
+        "sampling": {s: PRESETS[s].record() for s in presets if s in PRESETS},
         "ratio_rules": RATIO_RULES,
     }
 
@@ -172,6 +204,11 @@ def assemble(
 def _mode_order(mode: str) -> int:
     names = list(MODES)
     return names.index(mode) if mode in names else len(names)
+
+
+def _preset_order(sampling: str) -> int:
+    names = list(PRESETS)
+    return names.index(sampling) if sampling in names else len(names)
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -182,7 +219,8 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def merge(docs: Sequence[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any]:
-    """Merge benchmark JSONs: rows by (model, batch, context, mode), a later file winning."""
+    """Merge benchmark JSONs: rows by (model, batch, context, sampling, mode), a later file
+    winning."""
     if not docs:
         raise ValueError("merge needs at least one input file")
     by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -192,7 +230,8 @@ def merge(docs: Sequence[tuple[str, dict[str, Any]]], name: str) -> dict[str, An
     layers: dict[str, int] = {}
     for source, doc in docs:
         for row in doc["rows"]:
-            by_key[(row["model"], row["batch"], row["context"], row["mode"])] = row
+            by_key[(row["model"], row["batch"], row["context"], sampling_of(row),
+                    row["mode"])] = row
         absent.update(doc.get("absent", {}))
         failures += [{**f, "source": source} for f in doc.get("failures", [])]
         skipped += [{**s, "source": source} for s in doc.get("skipped", [])]
@@ -220,8 +259,12 @@ def _f(value: float | None, fmt: str) -> str:
 
 
 def format_table(doc: dict[str, Any]) -> str:
+    """One line per row; a sampling column when a row's requests sampled other than greedily."""
+    sampled = [len(sampling_of(r)) for r in doc["rows"] if sampling_of(r) != GREEDY]
+    width = max(len("sampling"), *sampled) + 1 if sampled else 0
     head = (
-        f"{'model':<14}{'b':>4}{'ctx':>6}  {'mode':<21}{'p50 ms':>8} {'p10-p90 ms':>15} "
+        f"{'model':<14}{'b':>4}{'ctx':>6}  {'mode':<21}{'sampling' if width else '':<{width}}"
+        f"{'p50 ms':>8} {'p10-p90 ms':>15} "
         f"{'floor':>7}{'%floor':>7}{'start s':>8}{'capt s':>7}{'graph MiB':>10}"
     )
     lines = [head, "-" * len(head)]
@@ -229,7 +272,8 @@ def format_table(doc: dict[str, Any]) -> str:
         spread = f"{r['tpot_ms_p10']:.2f}-{r['tpot_ms_p90']:.2f}" + ("*" if r.get("noisy") else " ")
         lines.append(
             f"{r['model']:<14}{r['batch']:>4}{r['context']:>6}  {r['mode']:<21}"
-            f"{r['tpot_ms_p50']:>8.3f} {spread:>15} {_f(r['floor_ms'], '7.3f'):>7}"
+            f"{sampling_of(r) if width else '':<{width}}{r['tpot_ms_p50']:>8.3f} {spread:>15} "
+            f"{_f(r['floor_ms'], '7.3f'):>7}"
             f"{_f(r['pct_of_floor'], '6.1f'):>7}{_f(r['startup_s'], '8.1f'):>8}"
             f"{_f(r['capture_s'], '7.1f'):>7}{_f(r['graph_mem_mib'], '10.0f'):>10}"
         )
@@ -244,7 +288,7 @@ def format_table(doc: dict[str, Any]) -> str:
     for f in doc.get("failures", []):
         first = (f.get("error") or "").splitlines()[0] if f.get("error") else ""
         where = f"{f['model']} {f['mode']}" + (
-            f" b{f['batch']}/c{f['context']}" if "batch" in f else ""
+            f" b{f['batch']}/c{f['context']}{key_suffix(sampling_of(f))}" if "batch" in f else ""
         )
         lines.append(f"failed  {where}: {first[:160]}")
     if doc.get("skipped"):
@@ -255,12 +299,10 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def format_ratio_summary(doc: dict[str, Any]) -> str:
-    """Per point: the best stock graph mode, and every other mode's tpot_p50 over it."""
-    points: dict[tuple[str, int, int], dict[str, float]] = {}
-    for r in doc["rows"]:
-        points.setdefault((r["model"], r["batch"], r["context"]), {})[r["mode"]] = r["tpot_ms_p50"]
+    """Per point and sampling preset: the best stock graph mode, and every other mode's tpot_p50
+    over it."""
     lines = []
-    for (model, batch, context), tpot in sorted(points.items()):
+    for (model, batch, context, sampling), tpot in sorted(_points(doc["rows"]).items()):
         graphs = [m for m in STOCK_GRAPH_MODES if m in tpot]
         if not graphs:
             continue
@@ -269,26 +311,24 @@ def format_ratio_summary(doc: dict[str, Any]) -> str:
             f"{m} x{tpot[m] / tpot[best]:.2f}" for m in sorted(tpot, key=_mode_order) if m != best
         )
         lines.append(
-            f"{model} b{batch} c{context}: best stock graphs {best} "
+            f"{model} b{batch} c{context}{key_suffix(sampling)}: best stock graphs {best} "
             f"{tpot[best]:.3f} ms; {others or 'nothing else measured'}"
         )
     return "\n".join(lines)
 
 
 def repeat_summary(doc: dict[str, Any], plugin: str = "plugin_graphs") -> list[dict[str, Any]]:
-    """Per point with `plugin` and a stock graph mode measured over >= 2 repeats each: every
-    mode's median of its per-repeat p50s, the best stock graph mode by that median, and the
-    paired ratio: for each repeat r, min over the stock graph modes of their r-th p50 over the
-    plugin's r-th p50, median over r. With `--interleave` the modes of one repeat ran back to
-    back, so a host that slows down for a while slows all of them alike and pairing cancels it
-    (the per-repeat minimum over stock modes leans towards stock: a conservative ratio)."""
-    points: dict[tuple[str, int, int], dict[str, list[float]]] = {}
-    for r in doc["rows"]:
-        reps = r.get("repeat_p50_ms") or []
-        if len(reps) >= 2:
-            points.setdefault((r["model"], r["batch"], r["context"]), {})[r["mode"]] = reps
+    """Per point and sampling preset with `plugin` and a stock graph mode measured over >= 2
+    repeats each: every mode's median of its per-repeat p50s, the best stock graph mode by that
+    median, and the paired ratio: for each repeat r, min over the stock graph modes of their r-th
+    p50 over the plugin's r-th p50, median over r. With `--interleave` the modes of one repeat ran
+    back to back, so a host that slows down for a while slows all of them alike and pairing
+    cancels it (the per-repeat minimum over stock modes leans towards stock: a conservative
+    ratio)."""
+    points = _points([r for r in doc["rows"] if len(r.get("repeat_p50_ms") or []) >= 2],
+                     "repeat_p50_ms")
     out = []
-    for (model, batch, context), reps in sorted(points.items()):
+    for (model, batch, context, sampling), reps in sorted(points.items()):
         graphs = [m for m in STOCK_GRAPH_MODES if m in reps]
         if plugin not in reps or not graphs:
             continue
@@ -296,7 +336,8 @@ def repeat_summary(doc: dict[str, Any], plugin: str = "plugin_graphs") -> list[d
         best = min(graphs, key=lambda m: medians[m])
         n = min(len(reps[m]) for m in (*graphs, plugin))
         paired = [min(reps[m][i] for m in graphs) / reps[plugin][i] for i in range(n)]
-        out.append({"model": model, "batch": batch, "context": context, "repeats": n,
+        out.append({"model": model, "batch": batch, "context": context, "sampling": sampling,
+                    "repeats": n,
                     "median_ms": {m: round(v, 4) for m, v in medians.items()},
                     "best_stock": best,
                     "best_stock_over_plugin": round(medians[best] / medians[plugin], 4),
@@ -313,7 +354,8 @@ def format_repeat_summary(doc: dict[str, Any]) -> str:
         med = s["median_ms"]
         modes = ", ".join(f"{m} {med[m]:.3f}" for m in sorted(med, key=_mode_order))
         lines.append(
-            f"{s['model']} b{s['batch']} c{s['context']} ({s['repeats']} repeats), median of "
+            f"{s['model']} b{s['batch']} c{s['context']}{key_suffix(s['sampling'])} "
+            f"({s['repeats']} repeats), median of "
             f"per-repeat p50s: {modes}; best stock {s['best_stock']} / plugin_graphs "
             f"x{s['best_stock_over_plugin']:.2f}; paired per repeat x{s['paired_ratio_median']:.2f}"
             f" (min {s['paired_ratio_min']:.2f}, max {s['paired_ratio_max']:.2f})")

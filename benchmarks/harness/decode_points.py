@@ -1,7 +1,8 @@
-"""How a mode worker measures its points: one repeat of one (batch, context) point through the
-engine (`run_point`: TPOT samples are the gaps between decode-only steps), every point within
-its deadlines one mode at a time (`measure_points`), or point by point as the parent sends them
-(`serve_commands`, `--interleave`). The engine and the request builders come in a `Bench`.
+"""How a mode worker measures its points: one repeat of one (batch, context) point under one
+sampling preset through the engine (`run_point`: TPOT samples are the gaps between decode-only
+steps), every point and preset within its deadlines one mode at a time (`measure_points`), or
+point by point as the parent sends them (`serve_commands`, `--interleave`). The engine and the
+request builders come in a `Bench`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.harness.protocol import DONE, READY, SLACK_STEPS, WorkerResult, WorkerSpec
+from benchmarks.harness.sampling import GREEDY, PRESETS
 
 MAX_CONSECUTIVE_FAILURES = 2
 
@@ -48,10 +50,13 @@ def run_point(
     tag: str,
     rng: random.Random,
     resolved: dict[str, Any],
-    make_params: Callable[[int], Any],
+    make_params: Callable[[int, str, int], Any],
     make_prompt: Callable[[list[int]], Any],
+    sampling: str = GREEDY,
 ) -> tuple[list[float], float]:
-    """One repeat of one (batch, context) point: returns (decode step ms, prefill seconds)."""
+    """One repeat of one (batch, context) point, its requests sampling under preset `sampling`
+    (`make_params(max_tokens, sampling, request index)`): returns (decode step ms, prefill
+    seconds)."""
     engine = llm.llm_engine
     mbt = int(resolved.get("max_num_batched_tokens") or 8192)
     prefill_steps = math.ceil(batch * context / max(1, mbt - batch)) + 1
@@ -71,7 +76,7 @@ def run_point(
                 f"{context + max_tokens} needs {need}: the batch would not run concurrently "
                 f"(raise --gpu-memory-utilization or lower --num-layers)"
             )
-    params = make_params(max_tokens)
+    params = [make_params(max_tokens, sampling, i) for i in range(batch)]
     prompts = [
         make_prompt([rng.randrange(spec.vocab_size) for _ in range(context)]) for _ in range(batch)
     ]
@@ -81,8 +86,8 @@ def run_point(
     chains: list[list[float]] = [[]]
     t_start, t_ready = time.perf_counter(), None
     try:
-        for rid, engine_input in zip(ids, engine_inputs):
-            engine.add_request(rid, engine_input, params)
+        for rid, engine_input, p in zip(ids, engine_inputs, params):
+            engine.add_request(rid, engine_input, p)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.perf_counter()
@@ -115,8 +120,9 @@ def run_point(
     steps = decode_intervals(chains)[spec.warmup_steps :][: spec.decode_tokens]
     if len(steps) < max(1, spec.decode_tokens // 2):
         raise RuntimeError(
-            f"only {len(steps)} decode-only steps at batch {batch} context {context} (wanted "
-            f"{spec.decode_tokens}); tokens per request: {sorted(set(counts.values()))}"
+            f"only {len(steps)} decode-only steps at batch {batch} context {context} sampling "
+            f"{sampling} (wanted {spec.decode_tokens}); tokens per request: "
+            f"{sorted(set(counts.values()))}"
         )
     prefill_s = (t_ready or time.perf_counter()) - t_start
     return steps, prefill_s
@@ -125,25 +131,26 @@ def run_point(
 @dataclasses.dataclass(slots=True)
 class Bench:
     """What measuring needs: the engine, the spec, the result it fills and how to save it, and
-    the vLLM request builders."""
+    the vLLM request builders (`make_params(max_tokens, sampling preset, request index)`)."""
 
     llm: Any
     spec: WorkerSpec
     result: WorkerResult
     save: Callable[[], None]
-    make_params: Callable[[int], Any]
+    make_params: Callable[[int, str, int], Any]
     make_prompt: Callable[[list[int]], Any]
 
 
 def measure_points(bench: Bench) -> None:
     spec, result = bench.spec, bench.result
     rng = random.Random(spec.seed)
-    durations: dict[tuple[int, int], float] = {}
-    skipped: dict[tuple[int, int], int] = {}
+    durations: dict[tuple[int, int, str], float] = {}
+    skipped: dict[tuple[int, int, str], int] = {}
     failures_in_row = 0
     for rep in range(spec.repeats):
-        for batch, context in spec.points():
-            point = result.point(batch, context)
+        for batch, context, sampling in spec.runs():
+            key = (batch, context, sampling)
+            point = result.point(*key)
             if point.error is not None:
                 continue
             # A started engine measures at least one point if the run's end allows: its start-up
@@ -155,14 +162,13 @@ def measure_points(bench: Bench) -> None:
                 if rep == 0
                 else spec.soft_deadline
             )
-            est = durations.get((batch, context)) or max(
-                [5.0, *(2 * d for d in durations.values())]
-            )
+            est = durations.get(key) or max([5.0, *(2 * d for d in durations.values())])
             if deadline is not None and time.time() + est > deadline:
-                skipped[(batch, context)] = skipped.get((batch, context), 0) + 1
+                skipped[key] = skipped.get(key, 0) + 1
                 continue
             t0 = time.perf_counter()
-            ok = measure_one(bench, rng, batch, context, rep, f"r{rep}b{batch}c{context}")
+            ok = measure_one(bench, rng, batch, context, rep, f"r{rep}b{batch}c{context}",
+                             sampling=sampling)
             if not ok:
                 failures_in_row += 1
                 if failures_in_row >= MAX_CONSECUTIVE_FAILURES:
@@ -171,10 +177,10 @@ def measure_points(bench: Bench) -> None:
                     )
                 continue
             failures_in_row = 0
-            durations[(batch, context)] = time.perf_counter() - t0
+            durations[key] = time.perf_counter() - t0
     result.skipped = [
-        {"batch": b, "context": c, "repeats_skipped": n, "reason": "time budget"}
-        for (b, c), n in sorted(skipped.items())
+        {"batch": b, "context": c, "sampling": s, "repeats_skipped": n, "reason": "time budget"}
+        for (b, c, s), n in sorted(skipped.items())
     ]
 
 
@@ -186,18 +192,21 @@ def measure_one(
     rep: int,
     tag: str,
     record: bool = True,
+    sampling: str = GREEDY,
 ) -> bool:
-    """One repeat of one point: recorded in `result` (unless `record` is False: a warm-up) and
-    saved. False when it failed (the error is recorded on the point)."""
+    """One repeat of one point under preset `sampling`: recorded in `result` (unless `record` is
+    False: a warm-up) and saved. False when it failed (the error is recorded on the point)."""
     spec, result, save = bench.spec, bench.result, bench.save
-    point = result.point(batch, context)
+    point = result.point(batch, context, sampling)
+    where = f"b={batch} c={context}" + ("" if sampling == GREEDY else f" {sampling}")
+    tag += "" if sampling == GREEDY else f"-{sampling}"
     t0 = time.perf_counter()
     try:
         steps, prefill_s = run_point(bench.llm, spec, batch, context, tag, rng, result.resolved,
-                                     bench.make_params, bench.make_prompt)
+                                     bench.make_params, bench.make_prompt, sampling=sampling)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         point.error = format_error(exc)
-        say(f"{spec.model} {spec.mode} b={batch} c={context}: FAILED {type(exc).__name__}: {exc}")
+        say(f"{spec.model} {spec.mode} {where}: FAILED {type(exc).__name__}: {exc}")
         save()
         return False
     p50 = statistics.median(steps)
@@ -210,7 +219,7 @@ def measure_one(
         save()
     what = f"rep {rep + 1}/{spec.repeats}" if record else "warm-up"
     say(
-        f"{spec.model} {spec.mode} {what} b={batch} c={context}: p50 {p50:.3f} ms over "
+        f"{spec.model} {spec.mode} {what} {where}: p50 {p50:.3f} ms over "
         f"{len(steps)} steps, prefill {prefill_s:.2f} s, point {time.perf_counter() - t0:.1f} s"
     )
     return True
@@ -219,8 +228,9 @@ def measure_one(
 def serve_commands(bench: Bench, commands: Any = None) -> None:
     """Interleaved runs (`benchmarks.decode --interleave`): the parent keeps every mode's engine
     up and sends one line per repeat of a point, mode after mode, so that every mode samples the
-    host at the same moments. Commands: `point BATCH CONTEXT REP` (REP -1: a warm-up, not
-    recorded) and `quit`; each gets a DONE line back. Ends at `quit` or end of input."""
+    host at the same moments. Commands: `point BATCH CONTEXT REP [SAMPLING]` (REP -1: a
+    warm-up, not recorded; SAMPLING a preset, default greedy) and `quit`; each gets a DONE line
+    back. Ends at `quit` or end of input."""
     commands = sys.stdin if commands is None else commands
     rng = random.Random(bench.spec.seed)
     print(READY, flush=True)
@@ -231,12 +241,15 @@ def serve_commands(bench: Bench, commands: Any = None) -> None:
         if words == ["quit"]:
             break
         try:
-            if words[0] != "point" or len(words) != 4:
+            if words[0] != "point" or len(words) not in (4, 5):
                 raise ValueError(f"unknown command {line.strip()!r}")
-            batch, context, rep = (int(w) for w in words[1:])
+            batch, context, rep = (int(w) for w in words[1:4])
+            sampling = words[4] if len(words) == 5 else GREEDY
+            if sampling not in PRESETS:
+                raise ValueError(f"unknown sampling preset {sampling!r}")
         except ValueError as exc:
             print(f"{DONE} error {exc}", flush=True)
             continue
         ok = measure_one(bench, rng, batch, context, max(rep, 0), f"i{rep}b{batch}c{context}",
-                         record=rep >= 0)
+                         record=rep >= 0, sampling=sampling)
         print(f"{DONE} {'ok' if ok else 'error'}", flush=True)

@@ -31,6 +31,7 @@ from benchmarks.harness.protocol import (
     spec_from_json,
     write_json_atomic,
 )
+from benchmarks.harness.sampling import GREEDY, PRESETS, key_suffix
 from benchmarks.harness.startup_trace import maybe_trace_startup
 from benchmarks.harness.vllm_facts import VllmLogTap, check_config_dicts, describe_engine, validate
 
@@ -80,9 +81,8 @@ def run(
         )
     t0 = time.perf_counter()
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
     result.import_s = time.perf_counter() - t0
     try:
@@ -125,15 +125,8 @@ def run(
         f"{result.runner}, cudagraph_mode {result.resolved['cudagraph_mode']})"
     )
 
-    def make_params(max_tokens: int) -> Any:
-        # NOTE: no min_tokens: it adds a per-step logits processor; ignore_eos is enough.
-        return SamplingParams(
-            temperature=0.0,
-            ignore_eos=True,
-            max_tokens=max_tokens,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+    def make_params(max_tokens: int, sampling: str = GREEDY, index: int = 0) -> Any:
+        return request_params(max_tokens, sampling, spec.seed, index)
 
     def make_prompt(ids: list[int]) -> Any:
         return TokensPrompt(prompt_token_ids=ids)
@@ -164,6 +157,23 @@ def run(
     except Exception as exc:  # noqa: BLE001 - the floor is optional; the TPOT rows are not
         result.resolved["bandwidth_error"] = format_error(exc, limit=500)
     say(f"{spec.model} {spec.mode}: copy bandwidth {_fmt(result.bandwidth_gbps)} GB/s")
+
+
+def request_params(max_tokens: int, sampling: str, seed: int, index: int) -> Any:
+    """Request `index` of a point: `vllm.SamplingParams` that sample under preset `sampling`
+    (harness/sampling.py; seeded presets: `seed` + index) and produce exactly `max_tokens`
+    tokens, as token ids only, each step's new ones."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # NOTE: no min_tokens: it adds a per-step logits processor; ignore_eos is enough.
+    return SamplingParams(
+        **PRESETS[sampling].kwargs(seed, index),
+        ignore_eos=True,
+        max_tokens=max_tokens,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
 
 
 def plugin_counters() -> dict[str, Any] | None:
@@ -261,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         result.status = "failed" if errors and not done else "ok"
         if result.status == "failed":
             result.error = "no point measured: " + "; ".join(
-                f"b{p.batch}/c{p.context}: {(p.error or '').splitlines()[0]}" for p in errors
+                f"b{p.batch}/c{p.context}{key_suffix(p.sampling)}: "
+                f"{(p.error or '').splitlines()[0]}" for p in errors
             )
     except BaseException as exc:  # noqa: BLE001 - everything, OOM included, goes to the result
         result.status = "failed"

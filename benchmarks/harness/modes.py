@@ -63,10 +63,10 @@ class Mode:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra worker environment
     diagnostic: bool = False  # a variant for finding where time goes; never a reference mode
 
-    @property
-    def budget_weight(self) -> float:
-        """Relative share of a time budget: start-up plus measuring (eager steps cost ~10x)."""
-        return self.startup_estimate_s + (40.0 if self.graphs else 120.0)
+    def budget_weight(self, presets: int = 1) -> float:
+        """Relative share of a time budget: start-up plus measuring every point under `presets`
+        sampling presets (eager steps cost ~10x)."""
+        return self.startup_estimate_s + presets * (40.0 if self.graphs else 120.0)
 
     def available(self) -> Availability:
         if self.family is Family.STOCK:

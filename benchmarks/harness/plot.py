@@ -1,4 +1,5 @@
-"""PNG of a benchmark JSON: TPOT p50 vs batch, one panel per model, a line per mode and context.
+"""PNG of a benchmark JSON: TPOT p50 vs batch, one panel per model, a line per mode, context and
+sampling preset (greedy: circles, others: paler triangles, named in the label).
 
 matplotlib is imported here only, lazily; without it `render` returns None and says why.
 """
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.modes import MODES
+from benchmarks.harness.sampling import GREEDY
 
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -50,30 +52,33 @@ def render(doc: dict[str, Any], path: Path) -> Path | None:
     models = sorted({r["model"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    presets = list(dict.fromkeys(r.get("sampling", GREEDY) for r in rows))
     colors = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(MODES)}
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for mode in modes:
-            for ci, context in enumerate(contexts):
-                pts = sorted(
-                    (r["batch"], r["tpot_ms_p50"], r["tpot_ms_p10"], r["tpot_ms_p90"])
-                    for r in rows
-                    if r["model"] == model and r["mode"] == mode and r["context"] == context
-                )
-                if not pts:
-                    continue
-                xs, p50, p10, p90 = zip(*pts)
-                ax.errorbar(
-                    xs,
-                    p50,
-                    yerr=[[a - b for a, b in zip(p50, p10)], [b - a for a, b in zip(p50, p90)]],
-                    color=colors[mode],
-                    linestyle=LINESTYLES[ci % len(LINESTYLES)],
-                    marker="o",
-                    markersize=3,
-                    capsize=2,
-                    label=f"{mode} c{context}",
-                )
+        lines = [(m, ci, c, s) for m in modes for ci, c in enumerate(contexts) for s in presets]
+        for mode, ci, context, sampling in lines:
+            pts = sorted(
+                (r["batch"], r["tpot_ms_p50"], r["tpot_ms_p10"], r["tpot_ms_p90"])
+                for r in rows
+                if r["model"] == model and r["mode"] == mode and r["context"] == context
+                and r.get("sampling", GREEDY) == sampling
+            )
+            if not pts:
+                continue
+            xs, p50, p10, p90 = zip(*pts)
+            ax.errorbar(
+                xs,
+                p50,
+                yerr=[[a - b for a, b in zip(p50, p10)], [b - a for a, b in zip(p50, p90)]],
+                color=colors[mode],
+                linestyle=LINESTYLES[ci % len(LINESTYLES)],
+                marker="o" if sampling == GREEDY else "^",
+                alpha=1.0 if sampling == GREEDY else 0.6,
+                markersize=3,
+                capsize=2,
+                label=f"{mode} c{context}" + ("" if sampling == GREEDY else f" {sampling}"),
+            )
         for ci, context in enumerate(contexts):
             floor = sorted(
                 {

@@ -1,7 +1,8 @@
 """Where a step's time goes: GPU kernels vs host work, one engine, one batch.
 
 Used by the mode worker when `BENCH_PROFILE_DIR` is set (`benchmarks/gpu/run.sh` sets it with
-`BENCH_PROFILE=1`): after the timed points, for each batch of the run it
+`BENCH_PROFILE=1`): after the timed points, for each batch of the run and each sampling preset
+of `--sampling` (a sampled step beside a greedy one) it
 
 1. adds `batch` requests, steps the engine until every request decodes, then times
    `steps` decode-only steps with no profiler (the baseline wall time per step);
@@ -9,7 +10,8 @@ Used by the mode worker when `BENCH_PROFILE_DIR` is set (`benchmarks/gpu/run.sh`
    replayed from CUDA graphs included), the top kernels, the top host ranges;
 3. runs `steps` more under `cProfile`: the Python functions of this thread by own and
    cumulative time (the host side of a step: scheduler, runner, sampler, our hooks); the raw
-   stats go to `<dir>/profile-<model>-<mode>-b<batch>.pstats` (callers and callees, offline);
+   stats go to `<dir>/profile-<model>-<mode>-b<batch>[-<preset>].pstats` (callers and
+   callees, offline; no preset for greedy);
 4. runs `steps` more with a perf_counter wrapped around the engine's and runner's phase methods
    (`PHASES`): inclusive wall time per step of each, cheap enough to leave the step's shape
    intact, and the time the host spent blocked on the GPU (CUDA event waits).
@@ -30,6 +32,8 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks.harness.sampling import GREEDY
 
 TOP_KERNELS = 25
 TOP_HOST_RANGES = 30
@@ -69,11 +73,14 @@ PHASES = (
 
 
 class _Decoding:
-    """`batch` requests kept in decode: `step()` returns True for a decode-only engine step."""
+    """`batch` requests kept in decode, sampling under preset `sampling`
+    (`make_params(max_tokens, sampling, request index)`): `step()` returns True for a
+    decode-only engine step."""
 
     def __init__(self, llm: Any, batch: int, context: int, max_tokens: int, vocab: int,
-                 make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
-                 tag: str) -> None:
+                 make_params: Callable[[int, str, int], Any],
+                 make_prompt: Callable[[list[int]], Any], tag: str,
+                 sampling: str = GREEDY) -> None:
         import random
 
         rng = random.Random(0)
@@ -81,9 +88,8 @@ class _Decoding:
         prompts = [make_prompt([rng.randrange(vocab) for _ in range(context)])
                    for _ in range(batch)]
         self.ids = [f"{tag}-{i}" for i in range(batch)]
-        params = make_params(max_tokens)
-        for rid, engine_input in zip(self.ids, llm._preprocess_cmpl(prompts)):
-            self.engine.add_request(rid, engine_input, params)
+        for i, (rid, engine_input) in enumerate(zip(self.ids, llm._preprocess_cmpl(prompts))):
+            self.engine.add_request(rid, engine_input, make_params(max_tokens, sampling, i))
         self.batch = batch
         self.counts = dict.fromkeys(self.ids, 0)
 
@@ -251,16 +257,18 @@ def kernel_lines(avgs: Any, wall_ms: float, n: int, unit: str) -> list[str]:
 
 
 def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
-                  make_params: Callable[[int], Any], make_prompt: Callable[[list[int]], Any],
-                  label: str, pstats_path: str | None = None) -> str:
-    """The report for one batch (text)."""
+                  make_params: Callable[[int, str, int], Any],
+                  make_prompt: Callable[[list[int]], Any], label: str,
+                  pstats_path: str | None = None, sampling: str = GREEDY) -> str:
+    """The report for one batch under sampling preset `sampling` (text)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    lines = [f"## {label} batch {batch} context {context}: {steps} steps per phase"]
+    lines = [f"## {label} batch {batch} context {context} sampling {sampling}: {steps} steps "
+             "per phase"]
     d = _Decoding(llm, batch, context, 4 * steps + 32, vocab, make_params, make_prompt,
-                  f"prof-b{batch}")
+                  f"prof-b{batch}-{sampling}", sampling)
     try:
         d.until_decoding()
         _timed(d, 8)  # past any lazy warm-up/capture of this bucket
@@ -315,10 +323,11 @@ def profile_batch(llm: Any, batch: int, context: int, steps: int, vocab: int,
     return "\n".join(lines) + "\n"
 
 
-def profile_run(llm: Any, spec: Any, make_params: Callable[[int], Any],
+def profile_run(llm: Any, spec: Any, make_params: Callable[[int, str, int], Any],
                 make_prompt: Callable[[list[int]], Any], out_dir: str,
                 steps: int = 30) -> str:
-    """Profile every batch of `spec` at its first context; returns the report's path."""
+    """Profile every batch of `spec` at its first context under each of its sampling presets,
+    a batch's presets back to back; returns the report's path."""
     import os
 
     path = os.path.join(out_dir, f"profile-{spec.model}-{spec.mode}.txt")
@@ -331,15 +340,20 @@ def profile_run(llm: Any, spec: Any, make_params: Callable[[int], Any],
               f"phase, not {steps}: raise --decode-tokens for full phases", flush=True)
         steps = max(room // 4, 1)
     with open(path, "w") as f:
-        for batch in spec.batches:
+        for batch, sampling in ((b, s) for b in spec.batches for s in spec.sampling):
+            suffix = "" if sampling == GREEDY else f"-{sampling}"
             try:
                 text = profile_batch(
                     llm, batch, context, steps, spec.vocab_size, make_params, make_prompt,
                     f"{spec.model} {spec.mode}",
-                    os.path.join(out_dir, f"profile-{spec.model}-{spec.mode}-b{batch}.pstats"))
+                    os.path.join(out_dir,
+                                 f"profile-{spec.model}-{spec.mode}-b{batch}{suffix}.pstats"),
+                    sampling)
             except Exception as exc:  # noqa: BLE001 - a report line, the run goes on
-                text = f"## batch {batch}: profiling failed: {type(exc).__name__}: {exc}\n"
+                text = (f"## batch {batch} sampling {sampling}: profiling failed: "
+                        f"{type(exc).__name__}: {exc}\n")
             f.write(text)
             f.flush()
-            print(f"[bench] profile {spec.model} {spec.mode} b={batch}: written", flush=True)
+            print(f"[bench] profile {spec.model} {spec.mode} b={batch} {sampling}: written",
+                  flush=True)
     return path

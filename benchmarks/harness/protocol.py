@@ -14,12 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.sampling import GREEDY
+
 SCHEMA = "vllm_moe_graphs.decode_bench/1"
 # Extra decode tokens per request beyond warm-up + timed steps + the steps early requests decode
 # while later ones still prefill: covers the async-scheduling lag at both ends of a point.
 SLACK_STEPS = 8
 # Interleaved runs (`--interleave`): the worker prints READY once its engine is up, then reads
-# `point BATCH CONTEXT REP` / `quit` lines on stdin and answers each with `DONE ok|error ...`.
+# `point BATCH CONTEXT REP [SAMPLING]` (default greedy) / `quit` lines on stdin and answers each
+# with `DONE ok|error ...`.
 READY = "[bench-ready]"
 DONE = "[bench-done]"
 
@@ -43,6 +46,8 @@ class WorkerSpec:
     result_path: str
     round: int = 0  # --rounds: which round of engine starts this worker belongs to (0-based)
     interleaved: bool = False  # --interleave: measure what the parent sends on stdin
+    # --sampling: every point is measured under each of these presets (harness/sampling.py)
+    sampling: list[str] = dataclasses.field(default_factory=lambda: [GREEDY])
     # Absolute `time.time()` limits; None = unlimited.
     hard_deadline: float | None = None  # the whole run's end: no point starts after this
     first_pass_deadline: float | None = None  # repeat 1 starts no point after this ...
@@ -53,11 +58,17 @@ class WorkerSpec:
         pairs = [(b, c) for b in self.batches for c in self.contexts]
         return sorted(pairs, key=lambda p: (p[0] * p[1], p[0]))
 
+    def runs(self) -> list[tuple[int, int, str]]:
+        """(batch, context, sampling): `points()`, each under every preset in turn, so that a
+        point's presets run back to back."""
+        return [(b, c, s) for b, c in self.points() for s in self.sampling]
+
 
 @dataclasses.dataclass(slots=True)
 class PointResult:
     batch: int
     context: int
+    sampling: str = GREEDY  # the preset its requests sampled with (harness/sampling.py)
     step_ms: list[float] = dataclasses.field(default_factory=list)  # all repeats, in order
     repeat_p50_ms: list[float] = dataclasses.field(default_factory=list)
     prefill_s: list[float] = dataclasses.field(default_factory=list)  # per repeat, untimed part
@@ -85,11 +96,11 @@ class WorkerResult:
     skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     wall_s: float | None = None
 
-    def point(self, batch: int, context: int) -> PointResult:
+    def point(self, batch: int, context: int, sampling: str = GREEDY) -> PointResult:
         for p in self.points:
-            if p.batch == batch and p.context == context:
+            if (p.batch, p.context, p.sampling) == (batch, context, sampling):
                 return p
-        p = PointResult(batch=batch, context=context)
+        p = PointResult(batch=batch, context=context, sampling=sampling)
         self.points.append(p)
         return p
 
@@ -108,7 +119,7 @@ def merge_rounds(results: list[WorkerResult]) -> list[WorkerResult]:
         out = dataclasses.replace(base, points=[], skipped=[s for r in rounds for s in r.skipped])
         for r in rounds:
             for p in r.points:
-                q = out.point(p.batch, p.context)
+                q = out.point(p.batch, p.context, p.sampling)
                 q.step_ms += p.step_ms
                 q.repeat_p50_ms += p.repeat_p50_ms
                 q.prefill_s += p.prefill_s

@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks.harness.modes import MODES, Mode, common_llm_kwargs, parse_modes
 from benchmarks.harness.protocol import READY, SLACK_STEPS, WorkerResult, WorkerSpec
+from benchmarks.harness.sampling import GREEDY, parse_presets
 from benchmarks.harness.shapes import ModelShape, prepare_config_dir, read_config, \
     resident_weight_bytes
 from benchmarks.harness.worker_process import EXITED, KILL_GRACE_S, WorkerProcess, run_worker, \
@@ -77,6 +78,7 @@ def plan(
         shapes[model] = ModelShape.from_config(cfg)
         configs[model] = (config_dir, cfg)
     interleave = getattr(args, "interleave", False)
+    sampling = parse_presets(getattr(args, "sampling", [GREEDY]))
     for rnd in range(args.rounds):
         # Odd rounds run the modes in reverse order, so that no mode always goes first (cold
         # machine) or last; every round starts fresh engines, so each mode samples the host at
@@ -116,6 +118,7 @@ def plan(
                         result_path=str(work_dir / f"result-{model}-{mode.name}{suffix}.json"),
                         round=rnd,
                         interleaved=interleave,
+                        sampling=sampling,
                     )
                 )
     return specs, absent, layers, shapes
@@ -123,20 +126,21 @@ def plan(
 
 
 def deadlines(
-    now: float, t_end: float, mode: Mode, later: list[Mode]
+    now: float, t_end: float, mode: Mode, later: list[Mode], presets: int = 1
 ) -> tuple[float, float, float] | str:
     """(hard, first_pass, soft) deadlines of a worker started `now`, or why it must not start.
 
-    soft: its weighted share of what is left (start-up + measuring, see Mode.budget_weight) ends
-    repeats 2 and up; first_pass: repeat 1 may run until only the later modes' start-up estimates
-    remain; hard: the run's end (the worker always tries one point before it)."""
+    soft: its weighted share of what is left (start-up + measuring `presets` sampling presets,
+    see Mode.budget_weight) ends repeats 2 and up; first_pass: repeat 1 may run until only the
+    later modes' start-up estimates remain; hard: the run's end (the worker always tries one
+    point before it)."""
     left = t_end - now
     if left < mode.startup_estimate_s + MIN_MEASURE_S:
         return (
             f"time budget: {left:.0f} s left < start-up estimate {mode.startup_estimate_s:.0f} s "
             f"+ {MIN_MEASURE_S:.0f} s"
         )
-    weights = [m.budget_weight for m in [mode, *later]]
+    weights = [m.budget_weight(presets) for m in [mode, *later]]
     soft = now + left * weights[0] / sum(weights)
     first_pass = max(soft, t_end - sum(m.startup_estimate_s for m in later))
     return t_end, first_pass, soft
@@ -153,7 +157,8 @@ def execute(
         now = time.time()
         later = specs[i + 1 :]
         if t_end is not None:
-            budget = deadlines(now, t_end, MODES[spec.mode], [MODES[s.mode] for s in later])
+            budget = deadlines(now, t_end, MODES[spec.mode], [MODES[s.mode] for s in later],
+                               len(spec.sampling))
             if isinstance(budget, str):
                 print(f"[decode] skip {spec.model} {spec.mode}: {budget}", flush=True)
                 skipped.append(
@@ -185,6 +190,7 @@ def execute(
                         "mode": spec.mode,
                         "batch": p.batch,
                         "context": p.context,
+                        "sampling": p.sampling,
                         "error": p.error,
                     }
                 )
@@ -206,42 +212,45 @@ def rotation(items: list[Any], k: int) -> list[Any]:
 
 
 def _measure_in_turns(workers: list[WorkerProcess], specs: list[WorkerSpec],
-                      t_end: float | None, cut: dict[tuple[str, int, int], int]) -> None:
+                      t_end: float | None, cut: dict[tuple[str, int, int, str], int]) -> None:
     """The measuring passes of `execute_interleaved`: a warm-up pass, then the repeats; within a
-    pass point by point, every live worker in turn, the first one rotating. Passes the budget
-    cannot hold are counted into `cut`."""
-    points = specs[0].points() if specs else []
-    durations: dict[tuple[int, int], float] = {}
+    pass point by point (each under every sampling preset in turn), every live worker in turn,
+    the first one rotating. Passes the budget cannot hold are counted into `cut`."""
+    runs = specs[0].runs() if specs else []
+    durations: dict[tuple[int, int, str], float] = {}
     passes = [-1, *range(max((s.repeats for s in specs), default=0))]
     for n, rep in enumerate(passes):
-        for j, (batch, context) in enumerate(points):
+        for j, (batch, context, sampling) in enumerate(runs):
             live = [w for w in workers if w.error is None]
             if not live:
                 return
-            est = durations.get((batch, context), 5.0 * len(live))
+            est = durations.get((batch, context, sampling), 5.0 * len(live))
             if t_end is not None and time.time() + est > t_end:
                 for w in live if rep >= 0 else ():
-                    key = (w.spec.mode, batch, context)
+                    key = (w.spec.mode, batch, context, sampling)
                     cut[key] = cut.get(key, 0) + 1
                 continue
             order = rotation(live, n + j)
             what = "warm-up" if rep < 0 else f"repeat {rep + 1}"
-            print(f"[decode] {what} b={batch} c={context}: "
+            preset = "" if sampling == GREEDY else f" {sampling}"
+            print(f"[decode] {what} b={batch} c={context}{preset}: "
                   f"{', '.join(w.spec.mode for w in order)}", flush=True)
             t0 = time.monotonic()
             for w in order:
-                limit = max(60.0, 10 * est)
+                # a warm-up may compile (a preset's first sampled step: the sampler's kernels)
+                limit = max(60.0 if rep >= 0 else 180.0, 10 * est)
                 if t_end is not None:
                     limit = min(limit, t_end - time.time() + KILL_GRACE_S)
-                if not w.send(f"point {batch} {context} {rep}"):
+                if not w.send(f"point {batch} {context} {rep}{preset}"):
                     w.error = "worker closed its input (it exited)"
                     continue
                 line = w.wait_line(limit)
                 if line is None or line == EXITED:
-                    w.error = (f"no answer to point b={batch} c={context} within {limit:.0f} s"
+                    w.error = (f"no answer to point b={batch} c={context}{preset} within "
+                               f"{limit:.0f} s"
                                if line is None else "worker exited while measuring")
                     stop_group(w.proc)  # a hung worker must not run next to the others
-            durations[(batch, context)] = time.monotonic() - t0
+            durations[(batch, context, sampling)] = time.monotonic() - t0
 
 
 def execute_interleaved(
@@ -256,7 +265,8 @@ def execute_interleaved(
     started: list[WorkerProcess] = []  # every worker ever started: all are finished, come what may
     done: list[tuple[WorkerSpec, WorkerResult, str | None]] = []
     skipped: list[dict[str, Any]] = []
-    cut: dict[tuple[str, int, int], int] = {}  # (mode, batch, context) -> repeats cut by budget
+    cut: dict[tuple[str, int, int, str], int] = {}  # (mode, batch, context, sampling) -> repeats
+    # cut by the budget
     try:
         for i, spec in enumerate(specs):
             now = time.time()
@@ -282,10 +292,12 @@ def execute_interleaved(
         for w in started:
             if w.error is None:
                 w.send("quit")
-            done.append((w.spec, *w.finish(120.0 if w.error is None else KILL_GRACE_S)))
+            # after `quit` a worker may profile (BENCH_PROFILE): every batch under every preset
+            done.append((w.spec, *w.finish(120.0 * len(w.spec.sampling) if w.error is None
+                                           else KILL_GRACE_S)))
     model = specs[0].model if specs else ""
-    skipped += [{"model": model, "mode": m, "batch": b, "context": c, "repeats_skipped": n,
-                 "reason": "time budget"} for (m, b, c), n in cut.items()]
+    skipped += [{"model": model, "mode": m, "batch": b, "context": c, "sampling": s,
+                 "repeats_skipped": n, "reason": "time budget"} for (m, b, c, s), n in cut.items()]
 
     results: list[WorkerResult] = []
     failures: list[dict[str, Any]] = []
@@ -295,7 +307,8 @@ def execute_interleaved(
             failures.append({"model": spec.model, "mode": spec.mode, "error": error,
                              "log": str(work_dir / f"log-{spec.model}-{spec.mode}.txt")})
         failures += [{"model": spec.model, "mode": spec.mode, "batch": p.batch,
-                      "context": p.context, "error": p.error} for p in result.points if p.error]
+                      "context": p.context, "sampling": p.sampling, "error": p.error}
+                     for p in result.points if p.error]
         print(f"[decode] {spec.model} {spec.mode}: {result.status}, "
               f"{sum(1 for p in result.points if p.repeats_done)} point(s) measured", flush=True)
     return results, failures, skipped

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from benchmarks.harness.sampling import QWEN3_CHAT_SAMPLING
 from benchmarks.harness.stats import percentile
 
 LAG_P99_LIMIT_MS = 10.0  # client send lag above this at p99 marks a window's client as lagging
@@ -61,15 +62,16 @@ WORKLOADS: dict[str, Workload] = {
     for w in (
         Workload("chat", (128, 1024), (128, 256),
                  "prompts of 128-1024 tokens, 128-256 output tokens"),
-        # NOTE: Qwen3's model card advises these for chat without thinking (a real checkpoint's
-        # generation_config.json sets 0.6 / 0.95 / 20, which `vllm serve` applies to requests
-        # that set none): most clients sample. vLLM's sampler then sorts every row's logits for
-        # top-p/top-k, outside any graph.
+        # NOTE: unseeded, as clients send it; the numbers and why: harness/sampling.py.
         Workload("chat_sampled", (128, 1024), (128, 256),
                  "chat prompts and lengths, sampled as Qwen3's model card advises for chat "
                  "(temperature 0.7, top-p 0.8, top-k 20)",
+<<<<<<< HEAD
                  sampling=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20)),
                  greedy_twin="chat"),
+=======
+                 sampling=QWEN3_CHAT_SAMPLING),
+>>>>>>> decode-sampled
         Workload("long", (4096, 8192), (128, 128),
                  "prompts of 4096-8192 tokens (chunked prefill splits them over several steps), "
                  "128 output tokens"),

@@ -1,7 +1,8 @@
 """A stand-in for `benchmarks.harness.mode_worker` (tests only): no engine, no GPU.
 
 Speaks the worker's stdin/stdout protocol and writes a WorkerResult like the real one. Each
-recorded repeat gets steps of `FAKE_STEP_MS_<MODE>` ms (default 1.0); the mode named in
+recorded repeat gets steps of `FAKE_STEP_MS_<MODE>` ms (default 1.0), plus `FAKE_SAMPLED_MS`
+(default 0) under a sampling preset other than greedy; the mode named in
 `FAKE_DIE_MODE` exits without answering at its first recorded repeat; every command takes
 `FAKE_SLEEP_S` seconds (default 0). Every command it gets
 is appended, with the time, to `<result_path>.commands`.
@@ -64,18 +65,21 @@ def main() -> None:
         words = line.split()
         if words == ["quit"]:
             break
-        batch, context, rep = (int(w) for w in words[1:])
+        batch, context, rep = (int(w) for w in words[1:4])
+        sampling = words[4] if len(words) == 5 else "greedy"
         time.sleep(float(os.environ.get("FAKE_SLEEP_S", "0")))
         if rep >= 0 and os.environ.get("FAKE_DIE_MODE") == spec.mode:
             os._exit(3)
         if rep >= 0:
-            point = result.point(batch, context)
-            point.step_ms += [step] * 4
-            point.repeat_p50_ms.append(step)
+            point = result.point(batch, context, sampling)
+            ms = step + (float(os.environ.get("FAKE_SAMPLED_MS", "0"))
+                         if sampling != "greedy" else 0.0)
+            point.step_ms += [ms] * 4
+            point.repeat_p50_ms.append(ms)
             point.prefill_s.append(0.0)
             point.repeats_done += 1
             write_json_atomic(spec.result_path, result_to_json(result))
-        print(f"[bench] {spec.mode} rep {rep} b={batch} c={context}", flush=True)
+        print(f"[bench] {spec.mode} rep {rep} b={batch} c={context} {sampling}", flush=True)
         print(f"{DONE} ok", flush=True)
     result.status = "ok"
     write_json_atomic(spec.result_path, result_to_json(result))

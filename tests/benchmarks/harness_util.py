@@ -42,9 +42,11 @@ class _Engine:
 
     def __init__(self, budget: int, lag: bool) -> None:
         self.budget, self.lag, self.reqs, self.held = budget, lag, {}, []
+        self.params: dict[str, SimpleNamespace] = {}  # by request id, as added
         self.prefill_sleep_s = 0.05
 
     def add_request(self, rid: str, prompt: dict, params: SimpleNamespace) -> str:
+        self.params[rid] = params
         self.reqs[rid] = {
             "left": len(prompt["prompt_token_ids"]),
             "out": 0,

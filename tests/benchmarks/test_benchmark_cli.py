@@ -134,11 +134,17 @@ def test_plugin_modes_come_from_the_plugin_hook() -> None:
 def test_time_budget_deadlines() -> None:
     eager, graphs, nc = MODES["stock_eager"], MODES["stock_graphs"], MODES["stock_full_decode_nc"]
     hard, first, soft = sweep.deadlines(0.0, 480.0, eager, [graphs, nc])
-    weights = eager.budget_weight + graphs.budget_weight + nc.budget_weight
+    weights = eager.budget_weight() + graphs.budget_weight() + nc.budget_weight()
     assert hard == 480.0
-    assert soft == pytest.approx(480.0 * eager.budget_weight / weights)
+    assert soft == pytest.approx(480.0 * eager.budget_weight() / weights)
     assert first == 480.0 - graphs.startup_estimate_s - nc.startup_estimate_s  # > soft here
-    assert eager.budget_weight > nc.budget_weight  # eager steps cost ~10x: a bigger share
+    assert eager.budget_weight() > nc.budget_weight()  # eager steps cost ~10x: a bigger share
+    # two sampling presets: measuring weighs twice beside the same start-ups; eager (the bigger
+    # measuring share) gets more of what is left
+    _, _, soft2 = sweep.deadlines(0.0, 480.0, eager, [graphs, nc], presets=2)
+    two = [m.budget_weight(2) for m in (eager, graphs, nc)]
+    assert eager.budget_weight(2) - eager.budget_weight() == 120.0
+    assert soft2 == pytest.approx(480.0 * two[0] / sum(two)) and soft2 > soft
     why = sweep.deadlines(470.0, 480.0, graphs, [])
     assert isinstance(why, str) and why.startswith("time budget: 10 s left")
 

@@ -48,11 +48,11 @@ def test_serve_commands_records_repeats_not_warmups(
 ) -> None:
     calls = []
 
-    def fake_run_point(llm, spec, batch, context, tag, rng, resolved, mp, mk):
-        calls.append((batch, context, tag))
+    def fake_run_point(llm, spec, batch, context, tag, rng, resolved, mp, mk, sampling):
+        calls.append((batch, context, sampling, tag))
         if batch == 3:
             raise RuntimeError("no room")
-        return [1.0, 2.0, 3.0], 0.5
+        return [1.0, 2.0, 3.0] if sampling == "greedy" else [4.0], 0.5
 
     monkeypatch.setattr(decode_points, "run_point", fake_run_point)
     spec = WorkerSpec(model="m", config_dir="", mode="plugin_graphs", llm_kwargs={}, env={},
@@ -60,17 +60,24 @@ def test_serve_commands_records_repeats_not_warmups(
                       warmup_steps=0, vocab_size=10, seed=0, result_path="", interleaved=True)
     result = WorkerResult(model="m", mode="plugin_graphs")
     saves = []
-    commands = ["point 1 512 -1\n", "\n", "point 1 512 0\n", "point 3 512 0\n", "bogus\n",
-                "point 1 512 1\n", "quit\n", "point 1 512 2\n"]
+    commands = ["point 1 512 -1\n", "\n", "point 1 512 0\n", "point 1 512 0 qwen3\n",
+                "point 3 512 0\n", "bogus\n", "point 1 512 1 nucleus\n", "point 1 512 1\n",
+                "quit\n", "point 1 512 2\n"]
     bench = decode_points.Bench(None, spec, result, lambda: saves.append(1), None, None)
     decode_points.serve_commands(bench, commands)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("[bench] ")]
-    assert lines == ["[bench-ready]", "[bench-done] ok", "[bench-done] ok", "[bench-done] error",
-                     "[bench-done] error unknown command 'bogus'", "[bench-done] ok"]
-    assert [c[:2] for c in calls] == [(1, 512), (1, 512), (3, 512), (1, 512)]  # not after quit
+    assert lines == ["[bench-ready]", "[bench-done] ok", "[bench-done] ok", "[bench-done] ok",
+                     "[bench-done] error", "[bench-done] error unknown command 'bogus'",
+                     "[bench-done] error unknown sampling preset 'nucleus'", "[bench-done] ok"]
+    assert [c[:3] for c in calls] == [(1, 512, "greedy"), (1, 512, "greedy"),
+                                      (1, 512, "qwen3"), (3, 512, "greedy"),
+                                      (1, 512, "greedy")]  # not after quit
+    assert calls[2][3] == "i0b1c512-qwen3"  # request ids apart from the greedy repeat's
     p = result.point(1, 512)
     assert p.repeats_done == 2 and p.step_ms == [1.0, 2.0, 3.0] * 2  # the warm-up is not kept
     assert p.repeat_p50_ms == [2.0, 2.0]
+    sampled = result.point(1, 512, "qwen3")
+    assert sampled.repeats_done == 1 and sampled.step_ms == [4.0]
     assert "no room" in result.point(3, 512).error
 
 
@@ -138,7 +145,9 @@ def test_interleaved_run_survives_a_dying_worker_and_the_budget(
 
 def test_interleaved_worker_drives_a_real_cpu_engine(tmp_path: Path, cpu_vllm: str) -> None:
     """The real mode worker in interleaved mode on vLLM's CPU build (`--allow-cpu`): a real
-    engine starts, answers a warm-up and two repeats through stdin, and quits cleanly."""
+    engine starts, answers a warm-up and two repeats through stdin, one more under the seeded
+    `qwen3` preset (real SamplingParams with top-p/top-k and a seed per request), and quits
+    cleanly."""
     from tests.serve_util import cpu_env
     from tests.tiny_models import build_checkpoint
 
@@ -155,16 +164,18 @@ def test_interleaved_worker_drives_a_real_cpu_engine(tmp_path: Path, cpu_vllm: s
     spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.harness.mode_worker", str(spec_path), "--allow-cpu"],
-        input="point 2 16 -1\npoint 2 16 0\npoint 2 16 1\nquit\n", cwd=REPO,
+        input="point 2 16 -1\npoint 2 16 0\npoint 2 16 1\npoint 2 16 0 qwen3\nquit\n", cwd=REPO,
         env=cpu_env(cpu_vllm, VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True,
         text=True, timeout=600)
     control = [ln for ln in proc.stdout.splitlines() if ln.startswith("[bench-")]
-    assert control == ["[bench-ready]"] + ["[bench-done] ok"] * 3, proc.stdout[-3000:]
+    assert control == ["[bench-ready]"] + ["[bench-done] ok"] * 4, proc.stdout[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok", result.get("error")
-    (point,) = result["points"]
+    point, sampled = result["points"]
+    assert point["sampling"] == "greedy" and sampled["sampling"] == "qwen3"
     assert point["repeats_done"] == 2 and len(point["repeat_p50_ms"]) == 2  # no warm-up
     assert len(point["step_ms"]) == 2 * 8 and all(s > 0 for s in point["step_ms"])
+    assert sampled["repeats_done"] == 1 and len(sampled["step_ms"]) == 8
 
 
 def test_interleaved_budget_cuts_whole_passes(

@@ -93,9 +93,13 @@ def test_run_point_times_decode_only_steps(lag: bool) -> None:
         "t",
         random.Random(0),
         resolved,
-        make_params=lambda n: SimpleNamespace(max_tokens=n),
+        make_params=lambda n, s, i: SimpleNamespace(max_tokens=n, sampling=s, index=i),
         make_prompt=lambda ids: {"prompt_token_ids": ids},
+        sampling="qwen3",
     )
+    # every request its own parameters: the preset asked for, its index (a seeded preset's seed)
+    assert {rid: (p.sampling, p.index) for rid, p in engine.params.items()} == {
+        f"t-{i}": ("qwen3", i) for i in range(4)}
     assert len(steps) == 20 and all(s >= 0 for s in steps)
     assert max(steps) < 25, steps  # no step that scheduled a prefill chunk (50 ms) was timed
     assert prefill_s >= 0.1
@@ -112,7 +116,7 @@ def test_run_point_times_decode_only_steps(lag: bool) -> None:
             "u",
             random.Random(0),
             resolved,
-            make_params=lambda n: SimpleNamespace(max_tokens=n),
+            make_params=lambda n, s, i: SimpleNamespace(max_tokens=n),
             make_prompt=lambda ids: {"prompt_token_ids": ids},
         )
 

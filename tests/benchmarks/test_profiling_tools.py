@@ -35,7 +35,7 @@ def test_decoding_driver_reaches_decode_only_steps() -> None:
     engine.prefill_sleep_s = 0.0
     llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
     d = profile_steps._Decoding(llm, batch=3, context=500, max_tokens=20, vocab=100,
-                                make_params=lambda n: SimpleNamespace(max_tokens=n),
+                                make_params=lambda n, s, i: SimpleNamespace(max_tokens=n),
                                 make_prompt=lambda ids: {"prompt_token_ids": ids}, tag="t")
     d.until_decoding()  # 1500 prompt tokens at 700 per step: prefill takes three steps
     assert all(c >= 1 for c in d.counts.values())
@@ -49,7 +49,7 @@ def test_decoding_driver_fails_when_decode_never_comes() -> None:
     engine = SimpleNamespace(add_request=lambda *a: None, step=lambda: [],
                              has_unfinished_requests=lambda: False)
     llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl=lambda prompts: prompts)
-    d = profile_steps._Decoding(llm, 2, 4, 8, 10, lambda n: n, lambda ids: ids, "t")
+    d = profile_steps._Decoding(llm, 2, 4, 8, 10, lambda n, s, i: n, lambda ids: ids, "t")
     with pytest.raises(RuntimeError, match="never reached a decode-only step"):
         d.until_decoding(limit=5)
 
