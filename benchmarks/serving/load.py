@@ -66,12 +66,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("chat_sampled", (128, 1024), (128, 256),
                  "chat prompts and lengths, sampled as Qwen3's model card advises for chat "
                  "(temperature 0.7, top-p 0.8, top-k 20)",
-<<<<<<< HEAD
-                 sampling=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20)),
-                 greedy_twin="chat"),
-=======
-                 sampling=QWEN3_CHAT_SAMPLING),
->>>>>>> decode-sampled
+                 sampling=QWEN3_CHAT_SAMPLING, greedy_twin="chat"),
         Workload("long", (4096, 8192), (128, 128),
                  "prompts of 4096-8192 tokens (chunked prefill splits them over several steps), "
                  "128 output tokens"),
