@@ -18,6 +18,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool | int]] = {
     "plugin_graphs_moe_padding": {"skip_moe_padding": False},
     "plugin_graphs_fused_router": {"fuse_moe_padding_mask": True},
     "plugin_graphs_serial_warm_up": {"warm_up_compile_threads": 0},
+    "plugin_graphs_compiled_numerics": {"compiled_numerics": True},
 }
 
 
@@ -39,6 +40,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     rows' expert ids written by the plugin's routing kernel, no mask launch per MoE layer).
     `plugin_graphs_serial_warm_up`: `plugin_graphs` with the start-up warm-up's fused-MoE
     compiles one after the other (`warm_up_compile_threads: 0`).
+    `plugin_graphs_compiled_numerics`: `plugin_graphs` with `compiled_numerics` (RMSNorm and
+    SiLU-and-mul rounded as stock's compiled model, by the plugin's Triton kernels).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

@@ -77,8 +77,8 @@ class PluginConfig:
     # The residual-stream RMSNorms and the dense MLP's SiLU-and-mul rounded as stock vLLM's
     # torch.compile'd model rounds them (integration/model/compiled_numerics.py: fp32 residual
     # sum normalised, one rounding per output), by the plugin's Triton kernels; false: vLLM's
-    # uncompiled CUDA kernels.
-    compiled_numerics: bool = True
+    # uncompiled CUDA kernels. Off until its numerics and speed are measured on a GPU.
+    compiled_numerics: bool = False
     # Pure-decode steps prepare vLLM's input buffers on the host with a few copies
     # (integration/runner/decode_inputs.py) instead of vLLM's general path, and a replayed step
     # builds no attention metadata (the graph reads the persistent buffers); false: vLLM's path.

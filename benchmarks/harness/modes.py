@@ -218,6 +218,15 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
+            "plugin_graphs_compiled_numerics",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with compiled_numerics: RMSNorm and SiLU-and-mul rounded as stock's "
+            "compiled model, by the plugin's Triton kernels (on request)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_graphs_cublas",
             Family.PLUGIN,
             True,

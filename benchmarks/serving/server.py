@@ -104,6 +104,10 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "(the padding rows' expert ids written by the plugin's routing kernel, no "
                   "mask launch per MoE layer)", settings=dict(fuse_moe_padding_mask=True),
                   ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_compiled_numerics", "on request: `plugin` with compiled_numerics "
+                  "(RMSNorm and SiLU-and-mul rounded as stock's compiled model, by the plugin's "
+                  "Triton kernels)", settings=dict(compiled_numerics=True),
+                  ready_estimate_s=60.0, default=False),
         ServeMode("plugin_lazy_capture", "on request: `plugin` with idle_capture false (graphs "
                   "captured only when traffic first reaches their key, never while idle)",
                   settings=dict(idle_capture=False), ready_estimate_s=60.0, default=False),

@@ -121,7 +121,8 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     assert diagnostic == {"stock_full_decode_nc_v1", "plugin_backend_vllm_graphs",
                           "plugin_graphs_experimental", "plugin_graphs_cublas",
                           "plugin_graphs_decode_only", "plugin_graphs_moe_padding",
-                          "plugin_graphs_fused_router", "plugin_graphs_serial_warm_up"}
+                          "plugin_graphs_fused_router", "plugin_graphs_serial_warm_up",
+                          "plugin_graphs_compiled_numerics"}
     assert not diagnostic & set(DEFAULT_MODES) and not diagnostic & set(STOCK_GRAPH_MODES)
     experimental = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_experimental")
     cfg = PluginConfig.from_additional_config(experimental["additional_config"])
@@ -141,6 +142,9 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     serial = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_serial_warm_up")
     assert PluginConfig.from_additional_config(serial["additional_config"]) == PluginConfig(
         warm_up_compile_threads=0)
+    numerics = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_compiled_numerics")
+    assert PluginConfig.from_additional_config(numerics["additional_config"]) == PluginConfig(
+        compiled_numerics=True)
     for name in ("stock_full_decode_nc_v1", "plugin_backend_vllm_graphs"):
         env = MODES[name].worker_env()
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"

@@ -33,18 +33,17 @@ INFORMATIVE_TOP1_LOGPROB = -10.5  # flat logits (vLLM's raw dummy weights) sit a
 # the engine's arguments (e.g. {"stock": true, "llm_kwargs": {"enforce_eager": true}}: stock
 # vLLM without torch.compile or graphs). The value `diagnose` runs DIAGNOSIS on every shape:
 # stock uncompiled (does torch.compile make the difference?), the plugin with each of its own
-# kernels in the forward turned back to vLLM's (`uncompiled_numerics`: vLLM's CUDA RMSNorm and
-# SiLU-and-mul, what vLLM runs where nothing is compiled), and the plugin with vLLM's RMSNorm
-# IR ops on their `native` torch provider (stock's code, run uncompiled).
+# kernels in the forward turned back to vLLM's, with `compiled_numerics` (RMSNorm and SiLU-and-mul
+# rounded as stock's compiled model), and with vLLM's RMSNorm IR ops on their `native` torch
+# provider (stock's code, run uncompiled).
 VARIANTS_ENV = "MOE_GRAPHS_TEST_NUMERICS_VARIANTS"
 DIAGNOSIS = {
     "stock_eager": {"stock": True, "llm_kwargs": {"enforce_eager": True}},
     "unfused_qk_norm_rope": {"moe_graphs": {"fuse_qk_norm_rope": False}},
     "cublas_linears": {"moe_graphs": {"small_m_gemm": False}},
     "logits_after_forward": {"moe_graphs": {"logits_in_graph": False}},
-    "uncompiled_numerics": {"moe_graphs": {"compiled_numerics": False}},
-    "native_norms": {"moe_graphs": {"compiled_numerics": False},
-                     "llm_kwargs": {"ir_op_priority": {"rms_norm": ["native"],
+    "compiled_numerics": {"moe_graphs": {"compiled_numerics": True}},
+    "native_norms": {"llm_kwargs": {"ir_op_priority": {"rms_norm": ["native"],
                                                        "fused_add_rms_norm": ["native"]}}},
 }
 

@@ -1,5 +1,7 @@
 """The residual stream's RMSNorms and the dense MLP's SiLU-and-mul rounded as stock vLLM's
-compiled model rounds them (config key `compiled_numerics`, on by default).
+compiled model rounds them (config key `compiled_numerics`; off by default until its numerics
+and speed are measured on a GPU: `tests/graphs/test_gpu_numerics.py` with the `diagnose`
+variants, the decode benchmark's `plugin_graphs_compiled_numerics`).
 
 Stock vLLM compiles the model with Inductor, which runs vLLM's `native` RMSNorm (the fp32 sum
 of hidden state and residual normalised) and keeps fused intermediates in fp32. The plugin runs
@@ -7,6 +9,7 @@ the model uncompiled, where vLLM picks its `vllm_c` CUDA kernels: the bf16-round
 normalised, each output rounded twice. Measured on an H100 (`gpu-tests-h100.txt`, numerics
 diagnosis): with vLLM's uncompiled kernels the plugin's logprobs sit 1.7x (Qwen3-0.6B) and 1.9x
 (Qwen3-30B-A3B) stock's own noise floor away from stock's, as far as vLLM's own eager mode.
+Swapping vLLM's RMSNorm IR provider for its `native` one brought them to 1.5x and 1.4x.
 `ops/norm_act.py` computes what stock's compiled code computes, in one launch each.
 
 Installed, as `module_forward.install`, on every exactly-typed `RMSNorm` of the model's hidden
