@@ -212,7 +212,7 @@ def _redraw_fp8(model, name: str, weight, seed: int) -> None:
                        drawn.unbind(0) if stacked else [drawn],
                        scale.unbind(0) if stacked else [scale]):
         if block_scale is not None:
-            q, sc = _quantize_blocks(x, module.weight_block_size)
+            q, sc = quantize_blocks(x, module.weight_block_size)
         else:
             q, sc = _quantize_tensor(x)
         w.copy_(q)
@@ -249,7 +249,7 @@ def _check_tensor_layout(name: str, weight, scale, module) -> None:
                          f"one scale")
 
 
-def _quantize_blocks(x, block):
+def quantize_blocks(x, block):
     """[N, K] -> (float8_e4m3fn [N, K], float32 [ceil(N/bn), ceil(K/bk)]) as vLLM's
     per_block_cast_to_fp8 (use_ue8m0=False): scale_inv = block amax / 448, q = x / scale_inv."""
     import torch

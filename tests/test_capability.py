@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -9,8 +10,10 @@ from vllm_moe_graphs.capability import (
     REMEDY,
     ConfigFacts,
     DecodeGraphCapability,
+    Fp8Scheme,
     Proof,
     Reason,
+    WeightQuantization,
     config_capability,
     runtime_capability,
 )
@@ -19,7 +22,10 @@ ELIGIBLE_FACTS = ConfigFacts(
     architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", has_mla=False,
     dtype="bfloat16", kv_cache_dtype="auto", is_cuda=True, enforce_eager=False,
     tensor_parallel_size=1, pipeline_parallel_size=1, speculative=False, lora=False,
-    offload="uva")
+    offload="uva", is_moe=True)
+# FP8 weights as integration/config_facts.py reads them
+BLOCK_FP8 = WeightQuantization("fp8", Fp8Scheme.BLOCK)  # a block checkpoint
+ONLINE_FP8 = WeightQuantization("fp8", Fp8Scheme.PER_TENSOR)  # --quantization fp8
 
 
 def test_eligible_config():
@@ -54,8 +60,21 @@ def test_eligible_config():
     (dict(offload="uva_disabled"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
     (dict(offload="prefetch"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
     (dict(offload="something_new"), Reason.OFFLOAD_NOT_GRAPH_SAFE),
-    (dict(quantization="fp8"), Reason.UNSUPPORTED_QUANTIZATION),
-    (dict(quantization="awq"), Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=BLOCK_FP8), Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8_per_block", Fp8Scheme.BLOCK)),
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8", Fp8Scheme.STATIC)),
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8_per_channel", Fp8Scheme.PER_CHANNEL)),
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8")), Reason.UNSUPPORTED_QUANTIZATION),  # unknown
+    (dict(quantization=WeightQuantization("awq")), Reason.UNSUPPORTED_QUANTIZATION),
+    # per-tensor FP8: the MoE's one activation scale per step makes it its own reason; a dense
+    # model's linear layers quantize per token (unproven only)
+    (dict(quantization=ONLINE_FP8), Reason.FP8_PER_TENSOR_MOE),
+    (dict(quantization=WeightQuantization("fp8_per_tensor", Fp8Scheme.PER_TENSOR)),
+     Reason.FP8_PER_TENSOR_MOE),
+    (dict(quantization=ONLINE_FP8, is_moe=False), Reason.UNSUPPORTED_QUANTIZATION),
     (dict(sliding_window=4096), Reason.SLIDING_WINDOW),
     (dict(runner_type="pooling"), Reason.POOLING_RUNNER),
     (dict(data_parallel_size=2, is_moe=True), Reason.DATA_PARALLEL),
@@ -136,7 +155,7 @@ def test_report_is_frozen():
 def test_reason_values_are_unique_snake_case():
     values = [r.value for r in Reason]
     assert len(values) == len(set(values))
-    assert all(v.replace("_", "").isalpha() and v == v.lower() for v in values)
+    assert all(re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", v) for v in values), values
 
 
 def test_every_reason_documented():
@@ -151,9 +170,12 @@ def test_every_reason_documented():
     (dict(kv_cache_dtype="fp8"), {"fp8_kv"}, ["an FP8 KV cache (kv_cache_dtype fp8)"]),
     (dict(kv_cache_dtype="fp8_e4m3"), {"fp8_kv", "fp8"},
      ["an FP8 KV cache (kv_cache_dtype fp8_e4m3)"]),
-    (dict(quantization="fp8"), {"fp8"}, ["FP8 weights (quantization fp8)"]),
-    (dict(quantization="fp8", kv_cache_dtype="fp8"), {"fp8", "fp8_kv"},
-     ["FP8 weights (quantization fp8)", "an FP8 KV cache (kv_cache_dtype fp8)"]),
+    (dict(quantization=BLOCK_FP8), {"fp8"}, [f"FP8 weights (quantization {BLOCK_FP8})"]),
+    (dict(quantization=WeightQuantization("fp8_per_block", Fp8Scheme.BLOCK)), {"fp8"},
+     ["FP8 weights (quantization fp8_per_block: block-quantized FP8, 128x128 weight blocks, "
+      "activations quantized per token and 128-column group)"]),
+    (dict(quantization=BLOCK_FP8, kv_cache_dtype="fp8"), {"fp8", "fp8_kv"},
+     [f"FP8 weights (quantization {BLOCK_FP8})", "an FP8 KV cache (kv_cache_dtype fp8)"]),
     (dict(), {"fp8", "fp8_kv"}, []),  # nothing unproven in use: nothing said
 ])
 def test_unproven_configurations_taken_over_for_proof_runs(change, unproven, taken):
@@ -169,11 +191,33 @@ def test_unproven_configurations_taken_over_for_proof_runs(change, unproven, tak
 @pytest.mark.parametrize("change,unproven,reason", [
     (dict(kv_cache_dtype="fp8_e5m2"), {"fp8_kv"}, Reason.UNSUPPORTED_DTYPE),
     (dict(kv_cache_dtype="fp8"), {"fp8"}, Reason.UNSUPPORTED_DTYPE),
-    (dict(quantization="awq"), {"fp8", "fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
-    (dict(quantization="fp8"), {"fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("awq")), {"fp8", "fp8_kv"},
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=BLOCK_FP8), {"fp8_kv"}, Reason.UNSUPPORTED_QUANTIZATION),
+    # only block FP8 is taken over; per-tensor FP8 on an MoE model never
+    (dict(quantization=ONLINE_FP8), {"fp8", "fp8_kv"}, Reason.FP8_PER_TENSOR_MOE),
+    (dict(quantization=ONLINE_FP8, is_moe=False), {"fp8"}, Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8", Fp8Scheme.STATIC)), {"fp8"},
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8_per_channel", Fp8Scheme.PER_CHANNEL)), {"fp8"},
+     Reason.UNSUPPORTED_QUANTIZATION),
+    (dict(quantization=WeightQuantization("fp8")), {"fp8"}, Reason.UNSUPPORTED_QUANTIZATION),
     # vLLM computes the scales with a host read on the first forward
     (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), {"fp8_kv"}, Reason.UNSUPPORTED_DTYPE),
 ])
 def test_unproven_names_only_what_they_name(change, unproven, reason):
+    from vllm_moe_graphs.capability import unproven_taken_over
+
     facts = dataclasses.replace(ELIGIBLE_FACTS, **change, unproven=frozenset(unproven))
     assert config_capability(facts).reasons == (reason,)
+    assert not [x for x in unproven_taken_over(facts) if x.startswith("FP8 weights")]
+
+
+def test_per_tensor_fp8_on_moe_is_refused_even_if_listed_as_proven(monkeypatch):
+    # no parity test can prove it: the MoE's activation scale spans the step's padding rows
+    import vllm_moe_graphs.capability as capability
+
+    monkeypatch.setattr(capability, "PROVEN_QUANTIZATION", frozenset({ONLINE_FP8, BLOCK_FP8}))
+    facts = dataclasses.replace(ELIGIBLE_FACTS, quantization=ONLINE_FP8)
+    assert config_capability(facts).reasons == (Reason.FP8_PER_TENSOR_MOE,)
+    assert config_capability(dataclasses.replace(facts, quantization=BLOCK_FP8)).eligible

@@ -78,7 +78,6 @@ def test_llama_reports_unsupported_architecture(capsys, tmp_path):
     (["--dtype", "float32"], "unsupported_dtype"),
     (["--offload-group-size", "4", "--offload-num-in-group", "1"], "offload_not_graph_safe"),
     (["--additional-config", '{"moe_graphs": {"enabled": false}}'], "disabled_by_config"),
-    (["-q", "fp8"], "unsupported_quantization (quantization fp8)"),
     (["--quantization", "awq"], "unsupported_quantization (quantization awq)"),
     (["--runner", "pooling"], "pooling_runner (runner pooling)"),
     (["--convert", "embed"], "pooling_runner (runner pooling)"),
@@ -128,15 +127,6 @@ def test_sliding_window_checkpoint(capsys, tmp_path):
     assert _reasons(out) == ["no_cuda"], out
     code, out = _run(capsys, _config_dir(tmp_path, hf), "--disable-sliding-window")
     assert "decode graphs cover every context up to max_model_len 40960" in out  # no cap
-
-
-def test_quantized_checkpoint(capsys, tmp_path):
-    hf = json.loads((doctor_shape("qwen3-30b-a3b") / "config.json").read_text())
-    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                 "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    code, out = _run(capsys, _config_dir(tmp_path, hf))
-    assert code == doctor.EXIT_NOT_ELIGIBLE
-    assert "unsupported_quantization (quantization fp8)" in out
 
 
 def test_sentence_transformers_checkpoint_is_a_pooling_model(capsys, tmp_path):
@@ -366,3 +356,4 @@ def test_unproven_is_not_said_where_another_reason_refuses(capsys, monkeypatch):
     code, out = _run(capsys, "qwen3-30b-a3b", "--kv-cache-dtype", "fp8", "-pp", "2")
     assert code == doctor.EXIT_NOT_ELIGIBLE and "pipeline_parallel" in out
     assert "MOE_GRAPHS_UNPROVEN" not in out
+

@@ -34,6 +34,7 @@ class Reason(str, enum.Enum):
     LORA = "lora"
     OFFLOAD_NOT_GRAPH_SAFE = "offload_not_graph_safe"
     UNSUPPORTED_QUANTIZATION = "unsupported_quantization"
+    FP8_PER_TENSOR_MOE = "fp8_per_tensor_moe"
     SLIDING_WINDOW = "sliding_window"
     POOLING_RUNNER = "pooling_runner"
     DATA_PARALLEL = "data_parallel"
@@ -77,6 +78,11 @@ REMEDY: dict[Reason, str] = {
     Reason.UNSUPPORTED_QUANTIZATION: "quantized weights are not proven under the plugin's graphs "
     "yet: stock vLLM serves them with its own graphs; serve a bfloat16 / float16 checkpoint "
     "without --quantization to use the plugin",
+    Reason.FP8_PER_TENSOR_MOE: "stock vLLM serves it with its own graphs; the plugin can only "
+    "ever graph row-independent FP8: block-quantized weights (a checkpoint whose "
+    "quantization_config has weight_block_size [128, 128], e.g. Qwen/Qwen3-30B-A3B-FP8, or "
+    "--quantization fp8_per_block on a bf16 checkpoint), whose activations are quantized per "
+    "token and 128-column group (not proven yet either: unsupported_quantization)",
     Reason.SLIDING_WINDOW: "pass --disable-sliding-window (vLLM then caps --max-model-len at the "
     "window) to use the plugin; with the window on, stock vLLM runs",
     Reason.POOLING_RUNNER: "the plugin graphs text generation only; pooling models (--runner "
@@ -117,9 +123,48 @@ MLA_ARCHITECTURES = frozenset(
 SUPPORTED_DTYPES = frozenset({"bfloat16", "float16"})
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)  # what the attention kernels are built for
 GRAPH_SAFE_OFFLOAD = frozenset({"none", "uva"})
-# Weight quantization methods (vLLM's names) proven by a GPU parity test against stock vLLM;
-# every other method is denied (`unsupported_quantization`) and runs stock vLLM.
-PROVEN_QUANTIZATION: frozenset[str] = frozenset()
+
+
+class Fp8Scheme(str, enum.Enum):
+    """How FP8 weights and the activations they meet are quantized. It decides whether a real row
+    of a padded step can depend on the step's other rows (padding rows included)."""
+
+    # 128x128 weight blocks, activations quantized per token and 128-column group: row by row
+    BLOCK = "block"
+    # per-tensor weights, dynamic activation scales: the fused MoE takes one over all rows
+    PER_TENSOR = "per_tensor"
+    # per-tensor weights, activation scales fixed by the checkpoint (activation_scheme static)
+    STATIC = "static"
+    # per-output-channel weights, activations quantized per token
+    PER_CHANNEL = "per_channel"
+
+
+FP8_SCHEME_TEXT: dict[Fp8Scheme, str] = {
+    Fp8Scheme.BLOCK: "block-quantized FP8, 128x128 weight blocks, activations quantized per "
+    "token and 128-column group",
+    Fp8Scheme.PER_TENSOR: "per-tensor FP8, dynamic activation scales",
+    Fp8Scheme.STATIC: "per-tensor FP8, static activation scales from the checkpoint",
+    Fp8Scheme.PER_CHANNEL: "per-channel FP8, activations quantized per token",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantization:
+    """The weights' quantization: vLLM's method name and, for FP8, its scheme."""
+
+    method: str  # vLLM's name: "fp8", "fp8_per_block", "awq", "compressed-tensors", ...
+    fp8_scheme: Fp8Scheme | None = None  # None: not FP8, or a scheme not recognised
+
+    def __str__(self) -> str:
+        if self.fp8_scheme is None:
+            return self.method
+        return f"{self.method}: {FP8_SCHEME_TEXT[self.fp8_scheme]}"
+
+
+# Weight quantizations proven by a GPU parity test against stock vLLM; every other one is
+# denied (`unsupported_quantization`, or `fp8_per_tensor_moe`, which no proof can lift) and runs
+# stock vLLM.
+PROVEN_QUANTIZATION: frozenset[WeightQuantization] = frozenset()
 # KV cache dtypes other than "auto" proven the same way; an FP8 e4m3 cache ("fp8", "fp8_e4m3")
 # has kernels and a backend path but no GPU parity yet.
 PROVEN_KV_CACHE_DTYPES: frozenset[str] = frozenset()
@@ -212,7 +257,7 @@ class ConfigFacts:
     plugin_enabled: bool = True
     disabled_by_env: bool = False
     head_size: int | None = None  # attention head size (None: not known)
-    quantization: str | None = None  # weight quantization method ("fp8", "awq", ...); None: none
+    quantization: WeightQuantization | None = None  # None: unquantized weights
     sliding_window: int | None = None  # attention window in tokens; None: full attention
     runner_type: str = "generate"  # vLLM's runner: "generate" or "pooling"
     data_parallel_size: int = 1
@@ -223,8 +268,8 @@ class ConfigFacts:
     # --calculate-kv-scales: vLLM computes an FP8 cache's scales on the first forward with a
     # host read (`.item()`)
     calculate_kv_scales: bool = False
-    # unproven configurations taken over for a GPU proof run (MOE_GRAPHS_UNPROVEN): "fp8" (FP8
-    # weights), "fp8_kv" (an FP8 e4m3 KV cache)
+    # unproven configurations taken over for a GPU proof run (MOE_GRAPHS_UNPROVEN): "fp8"
+    # (block-quantized FP8 weights), "fp8_kv" (an FP8 e4m3 KV cache)
     unproven: frozenset[str] = frozenset()
 
 
@@ -255,6 +300,27 @@ def architecture_proof(facts: ConfigFacts) -> Proof:
     return Proof("architecture", Reason.ELIGIBLE)
 
 
+def _unproven_block_fp8(facts: ConfigFacts) -> bool:
+    """Block FP8 weights taken over unproven (MOE_GRAPHS_UNPROVEN=fp8) for a GPU proof run."""
+    q = facts.quantization
+    return (q is not None and q.fp8_scheme is Fp8Scheme.BLOCK and "fp8" in facts.unproven
+            and q not in PROVEN_QUANTIZATION)
+
+
+def quantization_proof(facts: ConfigFacts) -> Proof:
+    """Unquantized or proven weights hold. Per-tensor FP8 on an MoE model is refused for good:
+    the fused MoE takes one activation scale over all rows of a step, padding rows included, so
+    a padded graph step is not the eager step. Block FP8 is taken over only unproven."""
+    q = facts.quantization
+    if q is not None and q.fp8_scheme is Fp8Scheme.PER_TENSOR and facts.is_moe:
+        return Proof("quantization", Reason.FP8_PER_TENSOR_MOE,
+                     f"quantization {q}, on an MoE model: the fused MoE takes one activation "
+                     "scale over all rows of a step, padding rows included")
+    if q is None or q in PROVEN_QUANTIZATION or _unproven_block_fp8(facts):
+        return Proof("quantization", Reason.ELIGIBLE)
+    return Proof("quantization", Reason.UNSUPPORTED_QUANTIZATION, f"quantization {q}")
+
+
 def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
     """The config-time proofs, one per entry of CONFIG_PROOFS."""
     kv_ok = facts.kv_cache_dtype in {"auto", *PROVEN_KV_CACHE_DTYPES} or (
@@ -262,7 +328,6 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
     dtype_ok = facts.dtype in SUPPORTED_DTYPES and kv_ok and not facts.calculate_kv_scales
     kv_scales = (", --calculate-kv-scales (scales computed with a host read on the first forward)"
                  if facts.calculate_kv_scales else "")
-    proven_quantization = {None, *PROVEN_QUANTIZATION, *({"fp8"} & facts.unproven)}
     return (
         _proof("env", not facts.disabled_by_env, Reason.DISABLED_BY_ENV, "MOE_GRAPHS_DISABLE=1"),
         _proof("plugin_config", facts.plugin_enabled, Reason.DISABLED_BY_CONFIG,
@@ -271,9 +336,7 @@ def config_proofs(facts: ConfigFacts) -> tuple[Proof, ...]:
         architecture_proof(facts),
         _proof("dtype", dtype_ok, Reason.UNSUPPORTED_DTYPE,
                f"dtype={facts.dtype}, kv_cache_dtype={facts.kv_cache_dtype}{kv_scales}"),
-        _proof("quantization", facts.quantization in proven_quantization,
-               Reason.UNSUPPORTED_QUANTIZATION,
-               f"quantization {facts.quantization}"),
+        quantization_proof(facts),
         _proof("sliding_window", not facts.sliding_window, Reason.SLIDING_WINDOW,
                f"sliding window of {facts.sliding_window} tokens"),
         _proof("runner", facts.runner_type == "generate", Reason.POOLING_RUNNER,
@@ -303,9 +366,8 @@ def unproven_taken_over(facts: ConfigFacts) -> list[str]:
     """The unproven configurations of `facts` that MOE_GRAPHS_UNPROVEN lets the plugin take
     over (for a GPU proof run), each named with its setting; empty on a proven configuration."""
     taken = []
-    if ("fp8" in facts.unproven and facts.quantization == "fp8"
-            and "fp8" not in PROVEN_QUANTIZATION):
-        taken.append("FP8 weights (quantization fp8)")
+    if _unproven_block_fp8(facts):
+        taken.append(f"FP8 weights (quantization {facts.quantization})")
     if ("fp8_kv" in facts.unproven and facts.kv_cache_dtype in FP8_KV_CACHE_DTYPES
             and facts.kv_cache_dtype not in PROVEN_KV_CACHE_DTYPES):
         taken.append(f"an FP8 KV cache (kv_cache_dtype {facts.kv_cache_dtype})")

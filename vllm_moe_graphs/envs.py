@@ -81,8 +81,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Runtime kill switch: while this file exists every decode batch runs eager (captured graphs
     # are kept); remove the file and replay resumes. Checked at most every ~100 ms.
     "MOE_GRAPHS_KILL_FILE": lambda: _parse_kill_file("MOE_GRAPHS_KILL_FILE"),
-    # Proof runs only: configurations the capability denies as unproven (FP8 weights "fp8", an
-    # FP8 KV cache "fp8_kv") are taken over anyway, with a warning, so a GPU parity test can
+    # Proof runs only: configurations the capability denies as unproven (block-quantized FP8
+    # weights "fp8", an FP8 KV cache "fp8_kv") are taken over anyway, with a warning, so a GPU parity test can
     # prove them. Never for serving: until proven, they may differ from stock vLLM.
     "MOE_GRAPHS_UNPROVEN": lambda: _parse_names("MOE_GRAPHS_UNPROVEN", UNPROVEN_NAMES),
     # Internal: the metrics directory created by the root process (the API server or the process

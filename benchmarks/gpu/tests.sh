@@ -3,9 +3,10 @@
 #
 #   bash benchmarks/gpu/tests.sh [pytest arguments...]     (default: -m gpu, every GPU test)
 #   bash benchmarks/gpu/tests.sh ARGS... + ARGS... [+ ...]  (lanes: one pytest each, at once)
-#   bash benchmarks/gpu/tests.sh tier                     (every GPU test but the FP8 KV ones in
+#   bash benchmarks/gpu/tests.sh tier                     (every GPU test but the FP8 ones in
 #                                                          eight lanes, under 9 minutes on an H100)
-#   bash benchmarks/gpu/tests.sh fp8                      (the FP8 KV cache's parity and numerics)
+#   bash benchmarks/gpu/tests.sh fp8                      (the FP8 KV cache's and the block-FP8
+#                                                          weights' parity and numerics)
 #
 # Run from the repository root with the vLLM bundle carried (device call: carry [".gpu",
 # ".gpu-extras"]; .gpu-extras from scripts/gpu_extras.sh, for the sampling test's structured
@@ -14,7 +15,8 @@
 # then runs pytest under RUN_GUARD_S seconds in all (default 560).
 #
 # Lanes: a lone `+` splits the arguments into lanes that run side by side on the one GPU (the
-# end-to-end tests are host-bound, one core per engine: lanes fit several into one call). Each
+# end-to-end tests are host-bound, one core per engine: lanes fit several into one call); a
+# lane's leading NAME=value arguments are environment for that lane's pytest only. Each
 # lane's engines then get a fixed KV cache (MOE_GRAPHS_TEST_KV_CACHE_GIB, default 4) instead of
 # a profiled share, see tests/gpu_util.engine_memory_kwargs. Never use lanes for timings.
 # Each lane's engines also take their torch.distributed port from a range of their own
@@ -69,19 +71,27 @@ if [ "${1:-}" = tier ]; then
     "$P::test_tiny_checkpoint_graphs_match_kill_switch_eager"
 fi
 if [ "${1:-}" = fp8 ]; then
-  # the FP8 KV cache's proofs, beside the tier (which fills a call): mixed parity of both shapes
-  # on an FP8 cache, and the numerics test on one (Qwen3-30B-A3B cut to 12 of its 48 layers)
+  # the FP8 proofs, beside the tier (which fills a call), taken over unproven (MOE_GRAPHS_UNPROVEN
+  # fp8_kv, fp8): mixed parity of both shapes on an FP8 KV cache and on block-FP8 checkpoints,
+  # and the numerics test on each (Qwen3-30B-A3B cut to 12 of its 48 layers)
   P=tests/graphs/test_gpu_parity.py
-  export MOE_GRAPHS_TEST_NUMERICS_KV_CACHE_DTYPE=fp8
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu "$P::test_mixed_graphs_on_an_fp8_kv_cache_match_kill_switch_eager" \
-    + -m gpu tests/graphs/test_gpu_numerics.py
+    + MOE_GRAPHS_TEST_NUMERICS_KV_CACHE_DTYPE=fp8 -m gpu tests/graphs/test_gpu_numerics.py \
+    + -m gpu tests/graphs/test_gpu_fp8_weights.py \
+    + MOE_GRAPHS_TEST_NUMERICS_WEIGHTS=fp8_block -m gpu tests/graphs/test_gpu_numerics.py
 fi
-lanes=() cur=""
+lanes=() lane_envs=() cur="" env=""
 for a in "$@"; do
-  if [ "$a" = "+" ]; then lanes+=("$cur"); cur=""; else cur+="$(printf '%q ' "$a")"; fi
+  if [ "$a" = "+" ]; then
+    lanes+=("$cur"); lane_envs+=("$env"); cur=""; env=""
+  elif [ -z "$cur" ] && [[ "$a" =~ ^[A-Z_][A-Z0-9_]*= ]]; then
+    env+="$(printf '%q ' "$a")"
+  else
+    cur+="$(printf '%q ' "$a")"
+  fi
 done
-lanes+=("$cur")
+lanes+=("$cur"); lane_envs+=("$env")
 [ ${#lanes[@]} -eq 1 ] && [ -z "${lanes[0]}" ] && lanes=("-m gpu")
 if [ ${#lanes[@]} -gt 1 ]; then
   export MOE_GRAPHS_TEST_KV_CACHE_GIB=${MOE_GRAPHS_TEST_KV_CACHE_GIB:-4}
@@ -94,9 +104,10 @@ for i in "${!lanes[@]}"; do
   if [ ${#lanes[@]} -gt 1 ]; then
     name=pytest-$i; base=/tmp/gpu-tests-$i; port="VLLM_PORT=$((20000 + 1000 * i))"
   fi
-  echo "[tests.sh] lane $i: pytest ${lanes[$i]} (guard ${left}s${port:+, $port}) -> $name.txt"
-  eval "$port timeout --kill-after=5 $left python3 -m pytest -v -rA --durations=0 \
-    --basetemp=$base ${lanes[$i]}" >"$OUT/$name.txt" 2>&1 &
+  echo "[tests.sh] lane $i: ${lane_envs[$i]}pytest ${lanes[$i]} (guard ${left}s${port:+, $port})" \
+    "-> $name.txt"
+  eval "$port ${lane_envs[$i]}timeout --kill-after=5 $left python3 -m pytest -v -rA \
+    --durations=0 --basetemp=$base ${lanes[$i]}" >"$OUT/$name.txt" 2>&1 &
   pids+=($!)
 done
 rc=0

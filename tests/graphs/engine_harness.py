@@ -180,7 +180,7 @@ MIXED_FAULTS_PLUGIN = {"graph_memory_budget_mib": 1, "warmup_steps": 2}
 
 def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict | None = None,
               max_tokens: int = 256, llm_extra: dict | None = None, env_extra=None,
-              **spec_extra) -> dict:
+              checkpoint: tuple[str, int] | None = None, **spec_extra) -> dict:
     """Staggered arrivals (one request every 4 engine steps) of `mixed_prompts`, `max_tokens`
     greedy tokens each, a 256-token step budget: first with graphs, then with the kill switch,
     each phase from an empty prefix cache so both schedule the same steps. `shape` "tiny": the
@@ -188,7 +188,9 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
     ones 819-900 tokens), a 48-token step budget and 48 sequences so they still chunk, one
     arrival every step. `llm_extra`: more engine arguments; with `sampling_features` in the
     spec, the summary's `details` are each phase's per-request results, with `record_schedule`
-    its `schedules` each phase's scheduled steps ([tokens, requests] each)."""
+    its `schedules` each phase's scheduled steps ([tokens, requests] each). `checkpoint`:
+    (path, vocab size) of a checkpoint of `shape` to load instead of its re-drawn dummy
+    weights."""
     cfg = {"enable_prefix_caching": True, "enable_chunked_prefill": True,
            "additional_config": {"moe_graphs": {"mixed_graphs": True, **plugin}}}
     if shape == "tiny":
@@ -204,10 +206,10 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
         prompts, redraw = mixed_prompts(vocab, scale=w["scale"]), False
         every = w["arrive_every"]
     else:
-        model, vocab = cut_shape_dir(tmp_path, shape)
-        kwargs = engine_kwargs(model, load_format="dummy", max_model_len=4864,
-                             max_num_batched_tokens=256, **cfg)
-        prompts, redraw, every = mixed_prompts(vocab), True, 4
+        model, vocab = checkpoint or cut_shape_dir(tmp_path, shape)
+        kwargs = engine_kwargs(model, max_model_len=4864, max_num_batched_tokens=256, **cfg,
+                               **({} if checkpoint else {"load_format": "dummy"}))
+        prompts, redraw, every = mixed_prompts(vocab), checkpoint is None, 4
     phases = [{"batch": 64, "kill": k, "arrive_every": every, "reset_prefix_cache": True}
               for k in (False, True)]
     phases[0].update(graph_phase or {})

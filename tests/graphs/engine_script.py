@@ -84,7 +84,8 @@ cfg = llm.llm_engine.vllm_config
 result["config"] = {"worker_cls": cfg.parallel_config.worker_cls,
                     "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
                     "compilation_mode": str(cfg.compilation_config.mode),
-                    "attention_backend": str(cfg.attention_config.backend)}
+                    "attention_backend": str(cfg.attention_config.backend),
+                    "quantization": cfg.model_config.quantization}
 from vllm_moe_graphs.config import PluginConfig
 from vllm_moe_graphs.integration.config_facts import facts_from_vllm_config
 # the offload mode the plugin's capability check saw ("none", "uva", ...)

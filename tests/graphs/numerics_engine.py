@@ -55,6 +55,7 @@ def main(spec_path: str) -> None:
                    "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
                    "compilation_mode": str(cfg.compilation_config.mode),
                    "attention_backend": str(cfg.attention_config.backend),
+                   "quantization": cfg.model_config.quantization,
                    "ir_op_priority": {op: list(getattr(cfg.kernel_config.ir_op_priority, op))
                                       for op in ("rms_norm", "fused_add_rms_norm")}},
         "tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -31,7 +31,14 @@ MAX_TOKENS = 64
 # over with MOE_GRAPHS_UNPROVEN=fp8_kv until this test proves it; stock runs its own FP8 path.
 KV_ENV = "MOE_GRAPHS_TEST_NUMERICS_KV_CACHE_DTYPE"
 KV_CACHE_DTYPE = os.environ.get(KV_ENV) or "auto"
-PLUGIN_ENV = {"MOE_GRAPHS_UNPROVEN": "fp8_kv"} if KV_CACHE_DTYPE.startswith("fp8") else {}
+# The weights of both engines: "bf16", or "fp8_block" (the shape's config.json with the block FP8
+# quantization_config of tests/fp8_checkpoint.py; vLLM's dummy FP8 weights re-drawn per 128x128
+# block by `redraw_weights`), taken over with MOE_GRAPHS_UNPROVEN=fp8 until this test proves it.
+WEIGHTS_ENV = "MOE_GRAPHS_TEST_NUMERICS_WEIGHTS"
+WEIGHTS = os.environ.get(WEIGHTS_ENV) or "bf16"
+UNPROVEN = [name for name, on in (("fp8_kv", KV_CACHE_DTYPE.startswith("fp8")),
+                                  ("fp8", WEIGHTS == "fp8_block")) if on]
+PLUGIN_ENV = {"MOE_GRAPHS_UNPROVEN": ",".join(UNPROVEN)} if UNPROVEN else {}
 TIMEOUT_S = engine_timeout_s(420)
 
 
@@ -42,7 +49,17 @@ def _needs_cuda_and_vllm():
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_numerics_match_stock_vllm(shape, tmp_path):
+    if WEIGHTS not in ("bf16", "fp8_block"):
+        raise ValueError(f"{WEIGHTS_ENV}={WEIGHTS!r}: expected bf16 or fp8_block")
     model, vocab = shape_dir(tmp_path, shape, SHAPES[shape])
+    if WEIGHTS == "fp8_block":
+        from tests.fp8_checkpoint import fp8_block_config
+
+        config = os.path.join(model, "config.json")
+        with open(config) as f:
+            hf = fp8_block_config(json.load(f))
+        with open(config, "w") as f:
+            json.dump(hf, f)
     llm_kwargs = {"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
                   "dtype": "bfloat16", "seed": 0, "max_model_len": 512, "max_num_seqs": 64,
                   "enable_prefix_caching": False, "kv_cache_dtype": KV_CACHE_DTYPE,
@@ -69,7 +86,7 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
                                 "plugin_tokens": stock["scores"][f"{name}_tokens"]}})}
         for name, run in runs.items()}
     summary.update(
-        shape=shape, layers=SHAPES[shape], kv_cache_dtype=KV_CACHE_DTYPE,
+        shape=shape, layers=SHAPES[shape], kv_cache_dtype=KV_CACHE_DTYPE, weights=WEIGHTS,
         plugin_config=plugin["config"], stock_config=stock["config"],
         redrawn=[plugin["redrawn_parameters"], stock["redrawn_parameters"]],
         replays={k: metric(plugin["metrics"], "moe_graphs_replays_total", kind=k)
@@ -78,12 +95,17 @@ def test_numerics_match_stock_vllm(shape, tmp_path):
         startup_s=[plugin["startup_s"], stock["startup_s"]],
         plugin_log=plugin["log_lines"])
     kv = "" if KV_CACHE_DTYPE == "auto" else f"-kv-{KV_CACHE_DTYPE}"
-    report(f"numerics-{shape}{kv}", summary)
+    weights = "" if WEIGHTS == "bf16" else f"-{WEIGHTS.replace('_', '-')}"
+    report(f"numerics-{shape}{kv}{weights}", summary)
     # the plugin ran its graphs, stock ran without the plugin, on the same weights
     assert metric(plugin["metrics"], "moe_graphs_info", mode="graphs") == 1, summary
     assert summary["replays"]["decode"] > 0, summary
-    if PLUGIN_ENV:  # the plugin's backend ran on the FP8 cache
+    if "fp8_kv" in UNPROVEN:  # the plugin's backend ran on the FP8 cache
         assert any(f"kv_cache_dtype {KV_CACHE_DTYPE}:" in ln for ln in plugin["log_lines"]), summary
+    if "fp8" in UNPROVEN:  # both engines on block FP8 weights, the plugin's taken over
+        assert plugin["config"]["quantization"] == stock["config"]["quantization"] == "fp8", summary
+        assert any("taking over FP8 weights (quantization fp8: block-quantized" in ln
+                   for ln in plugin["log_lines"]), summary
     assert "moe_graphs" not in stock["metrics"], "stock must run without the plugin"
     assert "MoeGraphsWorker" not in stock["config"]["worker_cls"], stock["config"]
     assert plugin["redrawn_parameters"] == stock["redrawn_parameters"] > 0, summary

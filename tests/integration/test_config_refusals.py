@@ -31,9 +31,9 @@ def shape(name, **edit):
 
 
 dense, moe = shape("qwen3-0.6b"), shape("qwen3-30b-a3b")
-block_fp8 = shape("qwen3-30b-a3b", quantization_config={
-    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128]})
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+block_fp8 = shape("qwen3-30b-a3b", quantization_config={**FP8, "weight_block_size": [128, 128]})
+per_tensor_fp8 = shape("qwen3-30b-a3b", quantization_config=FP8)
 cases = {
     "default": dict(model=dense),
     "explicit_route": dict(model=moe, compilation_config={"mode": "NONE",
@@ -51,12 +51,23 @@ cases = {
     "user_compile": dict(model=dense, compilation_config={"mode": "VLLM_COMPILE"}),
     "online_fp8": dict(model=dense, quantization="fp8"),
     "block_fp8": dict(model=block_fp8),
+    "fp8_per_block": dict(model=moe, quantization="fp8_per_block"),
+    "online_fp8_moe": dict(model=moe, quantization="fp8"),
+    "fp8_per_tensor_moe": dict(model=moe, quantization="fp8_per_tensor"),
+    "per_tensor_fp8_checkpoint": dict(model=per_tensor_fp8),
     "moe_dp2": dict(model=moe, data_parallel_size=2),
     "fp8_kv": dict(model=dense, kv_cache_dtype="fp8"),
     "fp8_kv_calculated_scales": dict(model=dense, kv_cache_dtype="fp8", calculate_kv_scales=True),
 }
+# MOE_GRAPHS_UNPROVEN=fp8 (GPU proof runs): block FP8 taken over, per-tensor FP8 on MoE never
+unproven_fp8 = {"block_fp8+unproven": dict(model=block_fp8),
+                "fp8_per_block+unproven": dict(model=moe, quantization="fp8_per_block"),
+                "online_fp8_moe+unproven": dict(model=moe, quantization="fp8")}
 out = {}
-for name, kwargs in cases.items():
+for name, kwargs in [*cases.items(), *unproven_fp8.items()]:
+    os.environ.pop("MOE_GRAPHS_UNPROVEN", None)
+    if name in unproven_fp8:
+        os.environ["MOE_GRAPHS_UNPROVEN"] = "fp8"
     vc = EngineArgs(skip_tokenizer_init=True, max_model_len=512, **kwargs).create_engine_config()
     cc = vc.compilation_config
     out[name] = {"worker_cls": vc.parallel_config.worker_cls, "mode": cc.mode.name,
@@ -76,11 +87,17 @@ REFUSED = {
     "user_compile": "user_compilation",
     "online_fp8": "unsupported_quantization",
     "block_fp8": "unsupported_quantization",
+    "fp8_per_block": "unsupported_quantization",
+    "online_fp8_moe": "fp8_per_tensor_moe",
+    "fp8_per_tensor_moe": "fp8_per_tensor_moe",
+    "per_tensor_fp8_checkpoint": "fp8_per_tensor_moe",
+    "online_fp8_moe+unproven": "fp8_per_tensor_moe",
     "moe_dp2": "data_parallel",
     "fp8_kv": "unsupported_dtype",
     "fp8_kv_calculated_scales": "unsupported_dtype",
 }
-TAKEN_OVER = ("default", "explicit_route", "dense_dp2", "sliding_window_off")
+TAKEN_OVER = ("default", "explicit_route", "dense_dp2", "sliding_window_off",
+              "block_fp8+unproven", "fp8_per_block+unproven")
 
 
 @pytest.fixture(scope="module")

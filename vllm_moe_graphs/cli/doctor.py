@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--quantization-config", type=_json, default=None,
+                   help="an online method's specs (with --quantization online / fp8_per_*)")
     p.add_argument("--disable-sliding-window", action="store_true")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling", "draft"])
     p.add_argument("--convert", default="auto")

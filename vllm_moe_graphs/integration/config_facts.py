@@ -6,11 +6,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm_moe_graphs import envs
-from vllm_moe_graphs.capability import ConfigFacts
+from vllm_moe_graphs.capability import ConfigFacts, Fp8Scheme, WeightQuantization
 from vllm_moe_graphs.config import PluginConfig, plugin_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.quantization import QuantizationConfigArgs
     from vllm.engine.arg_utils import EngineArgs
 
 
@@ -143,13 +144,65 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     return int(hf.get("sliding_window") or 0) or None
 
 
+def _checkpoint_quantization(hf: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The checkpoint's `quantization_config` (or `compression_config`), None when it has none."""
+    return hf.get("quantization_config") or hf.get("compression_config") or None
+
+
 def _quantization(hf: Mapping[str, Any]) -> str | None:
     """The checkpoint's quantization method (`quantization_config.quant_method`), as vLLM reads
     it when no --quantization is given."""
-    qc = hf.get("quantization_config") or hf.get("compression_config")
+    qc = _checkpoint_quantization(hf)
     if not qc:
         return None
     return str(qc.get("quant_method") or qc.get("format") or "unknown")
+
+
+def _checkpoint_fp8_scheme(qc: Mapping[str, Any] | None) -> Fp8Scheme | None:
+    """The scheme `Fp8Config` builds (quantization/fp8.py): per tensor, online, without a
+    checkpoint config (`--quantization fp8` on a bf16 checkpoint); from an FP8 checkpoint,
+    128x128 blocks (`weight_block_size`, dynamic activations only), else per tensor with the
+    checkpoint's `activation_scheme`. None for a block size other than 128x128."""
+    if not qc:
+        return Fp8Scheme.PER_TENSOR
+    if "fp8" not in str(qc.get("quant_method", "")):
+        return None
+    block = qc.get("weight_block_size")
+    if block is not None:
+        return Fp8Scheme.BLOCK if list(block) == [128, 128] else None
+    return Fp8Scheme.STATIC if qc.get("activation_scheme") == "static" else Fp8Scheme.PER_TENSOR
+
+
+def _online_fp8_scheme(online: QuantizationConfigArgs) -> Fp8Scheme | None:
+    """The scheme of vLLM's online quantization (`--quantization fp8_per_tensor` /
+    `fp8_per_block` / `fp8_per_channel`, or `online` with a --quantization-config): its weight
+    keys pick the methods (quantization/online/base.py), and each method its activations
+    (online/fp8.py). None when the linear and MoE specs differ or one is not FP8."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8Static128BlockSym,
+        kFp8StaticChannelSym,
+        kFp8StaticTensorSym,
+    )
+
+    by_key = {kFp8Static128BlockSym: Fp8Scheme.BLOCK, kFp8StaticTensorSym: Fp8Scheme.PER_TENSOR,
+              kFp8StaticChannelSym: Fp8Scheme.PER_CHANNEL}
+    schemes = {by_key.get(spec.weight) for spec in (online.linear, online.moe)
+               if spec is not None}
+    return schemes.pop() if len(schemes) == 1 else None
+
+
+def weight_quantization(method: str | None, hf: Mapping[str, Any],
+                        online: QuantizationConfigArgs | None) -> WeightQuantization | None:
+    """The weights' quantization as vLLM builds it: `method` (vLLM's resolved name, or the
+    --quantization given), the checkpoint's config `hf`, and `online` (the resolved
+    QuantizationConfigArgs of an online method, None otherwise)."""
+    if method is None:
+        return None
+    if method == "fp8":
+        return WeightQuantization(method, _checkpoint_fp8_scheme(_checkpoint_quantization(hf)))
+    if online is not None:
+        return WeightQuantization(method, _online_fp8_scheme(online))
+    return WeightQuantization(method)
 
 
 def _runner_type(args: EngineArgs, model: str) -> str:
@@ -188,7 +241,7 @@ def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> Con
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         unproven=envs.MOE_GRAPHS_UNPROVEN,
         head_size=_head_size(hf),
-        quantization=mc.quantization,
+        quantization=weight_quantization(mc.quantization, hf, mc.quantization_config),
         sliding_window=mc.get_sliding_window(),
         runner_type=str(mc.runner_type),
         data_parallel_size=vllm_config.parallel_config.data_parallel_size,
@@ -223,7 +276,8 @@ def facts_from_engine_args(args: EngineArgs, hf: Mapping[str, Any]) -> ConfigFac
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         unproven=envs.MOE_GRAPHS_UNPROVEN,
         head_size=_head_size(hf),
-        quantization=args.quantization or _quantization(hf),
+        quantization=weight_quantization(args.quantization or _quantization(hf), hf,
+                                         args.quantization_config),
         sliding_window=None if args.disable_sliding_window else _sliding_window(hf),
         runner_type=_runner_type(args, args.model),
         data_parallel_size=int(args.data_parallel_size),
