@@ -1,8 +1,10 @@
 """The plugin's Triton kernels: attention over vLLM 0.26's paged KV cache (paged decode with GQA
 and split-K, KV write, varlen/chunked prefill; caches of the model's dtype or FP8 e4m3 with
-per-tensor scales, `kv_quant`), the small-M GEMM of decode-time linear layers
-and the MoE routing that sends padding rows to a sentinel expert (`moe_router`). `reference`
-holds pure-torch references for tests and benchmarks; import it explicitly.
+per-tensor scales, `kv_quant`), the small-M GEMM of decode-time linear layers, the MoE routing
+that sends padding rows to a sentinel expert (`moe_router`), and token sampling with vLLM's
+semantics that a CUDA graph can capture (`sampling`, plain torch; the batches it serves:
+`sampling_plan`). `reference` holds pure-torch references for tests and benchmarks; import it
+explicitly.
 
 Importing this package imports triton (not vLLM). Under `TRITON_INTERPRET=1` the kernels run
 on CPU tensors; that variable must be set before this package is first imported.
@@ -30,6 +32,8 @@ from vllm_moe_graphs.ops.decode_plan import (
 from vllm_moe_graphs.ops.moe_router import topk_softmax
 from vllm_moe_graphs.ops.paged_decode import paged_decode_attention
 from vllm_moe_graphs.ops.prefill import PrefillKernelConfig, paged_prefill_attention
+from vllm_moe_graphs.ops.sampling import K_CAP, SampledTokens, SamplingTensors, sample
+from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal, Servability, servable
 from vllm_moe_graphs.ops.small_m_gemm import small_m_linear
 from vllm_moe_graphs.ops.small_m_plan import (
     SmallMGemmConfig,
@@ -39,12 +43,17 @@ from vllm_moe_graphs.ops.small_m_plan import (
 
 __all__ = [
     "FP8_KV_DTYPE",
+    "K_CAP",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
     "SUPPORTED_KV_CACHE_DTYPES",
     "DecodeKernelConfig",
     "PrefillKernelConfig",
+    "SampledTokens",
+    "SamplingRefusal",
+    "SamplingTensors",
+    "Servability",
     "SmallMGemmConfig",
     "allocate_decode_workspace",
     "choose_num_splits",
@@ -52,6 +61,8 @@ __all__ = [
     "decode_workspace_shape",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "sample",
+    "servable",
     "small_m_linear",
     "small_m_workspace_numel",
     "split_kv_cache",
