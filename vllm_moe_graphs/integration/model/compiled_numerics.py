@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vllm_moe_graphs.integration.patch import module_forward
+from vllm_moe_graphs.ops import norm_act
 
 logger = logging.getLogger("vllm.moe_graphs")
 
@@ -40,8 +41,6 @@ INSTALLED = "installed"
 def norm_forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """`RMSNorm.forward` with torch.compile's rounding (`ops/norm_act.py`); vLLM's forward for
     an input the kernel cannot take."""
-    from vllm_moe_graphs.ops import norm_act
-
     weight = self.weight.data
     if norm_act.unsupported(x, weight) is None and (
             residual is None or norm_act.unsupported(residual) is None):
@@ -53,8 +52,6 @@ def norm_forward(self: Any, x: torch.Tensor, residual: torch.Tensor | None = Non
 
 def act_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """`SiluAndMul.forward` with torch.compile's rounding; vLLM's for another input."""
-    from vllm_moe_graphs.ops import norm_act
-
     if norm_act.unsupported(x) is None:
         return norm_act.silu_and_mul(x)
     return type(self).forward(self, x)
@@ -62,8 +59,6 @@ def act_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 def norm_refusal(module: Any, hidden_size: int) -> str | None:
     """Why the RMSNorm `module` keeps vLLM's forward; None if it takes `norm_forward`."""
-    from vllm_moe_graphs.ops import norm_act
-
     weight = getattr(module, "weight", None)
     if not getattr(module, "has_weight", False) or weight is None:
         return "no weight"
