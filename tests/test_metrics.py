@@ -13,6 +13,7 @@ from vllm_moe_graphs import metrics, metrics_transport
 from vllm_moe_graphs.capability import DecodeGraphCapability, Proof, Reason
 from vllm_moe_graphs.metrics import METRICS, MetricsRecorder, Mode
 from vllm_moe_graphs.metrics_transport import PluginCollector
+from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal
 from tests.serve_util import metric_sum
 
 
@@ -104,6 +105,30 @@ def test_publish_sends_what_changed_in_a_runners_stats(tmp_path):
     assert metric_sum(text, rows, kind="decode", row="padding") == 1
 
 
+def test_publish_sends_the_sampling_counters(tmp_path):
+    from vllm_moe_graphs.graphs.kinds import StepKind
+    from vllm_moe_graphs.graphs.stats import GraphStats
+
+    rec = MetricsRecorder(rank=0, directory=str(tmp_path))
+    stats = GraphStats()
+    stats.sampled_in_graph(StepKind.DECODE, inexact_rows=1)
+    stats.sampled_in_graph(StepKind.MIXED, inexact_rows=3)
+    stats.sampler_fallback(SamplingRefusal.PENALTIES, StepKind.DECODE)
+    rec.publish(stats)
+    stats.sampled_in_graph(StepKind.DECODE, inexact_rows=3)
+    stats.sampler_fallback(SamplingRefusal.PENALTIES, StepKind.DECODE)
+    stats.sampler_fallback(SamplingRefusal.ALL_GREEDY, StepKind.MIXED)
+    rec.publish(stats)
+    text = _scrape(str(tmp_path))
+    assert metric_sum(text, "moe_graphs_sampled_in_graph_total", kind="decode") == 2
+    assert metric_sum(text, "moe_graphs_sampled_in_graph_total", kind="mixed") == 1
+    fallbacks = "moe_graphs_sampler_fallbacks_total"
+    assert metric_sum(text, fallbacks, reason="penalties", kind="decode") == 2
+    assert metric_sum(text, fallbacks, reason="all_greedy", kind="mixed") == 1
+    assert metric_sum(text, fallbacks, reason="all_greedy", kind="decode") == 0
+    assert metric_sum(text, "moe_graphs_sampling_inexact_rows_total") == 3
+
+
 def test_recorded_values_reach_the_files(tmp_path):
     rec = MetricsRecorder(rank=3, directory=str(tmp_path))
     rec.set_mode(Mode.STOCK)
@@ -135,8 +160,14 @@ def test_label_values_bounded_by_enums(tmp_path):
     with pytest.raises(ValueError):
         rec.set_mode("turbo")  # type: ignore[arg-type]
     text = _scrape(str(tmp_path))
-    reasons = {m for m in re.findall(r'reason="([^"]*)"', text)}
+    sampler = "moe_graphs_sampler_fallbacks"
+    lines = text.splitlines()
+    reasons = {m for line in lines if not line.startswith(sampler)
+               for m in re.findall(r'reason="([^"]*)"', line)}
     assert reasons == {r.value for r in Reason}
+    sampler_reasons = {m for line in lines if line.startswith(sampler)
+                       for m in re.findall(r'reason="([^"]*)"', line)}
+    assert sampler_reasons == {r.value for r in SamplingRefusal} - {"servable"}
     modes = {m for m in re.findall(r'mode="([^"]*)"', text)}
     assert modes == {m.value for m in Mode}
     with pytest.raises(ValueError, match="rank"):

@@ -19,6 +19,7 @@ _PLUGIN_GRAPH_MODES: dict[str, dict[str, bool | int]] = {
     "plugin_graphs_fused_router": {"fuse_moe_padding_mask": True},
     "plugin_graphs_serial_warm_up": {"warm_up_compile_threads": 0},
     "plugin_graphs_compiled_numerics": {"compiled_numerics": True},
+    "plugin_graphs_sample_in_graph": {"sample_in_graph": True},
 }
 
 
@@ -42,6 +43,8 @@ def benchmark_llm_kwargs(mode: str) -> dict:
     compiles one after the other (`warm_up_compile_threads: 0`).
     `plugin_graphs_compiled_numerics`: `plugin_graphs` with `compiled_numerics` (RMSNorm and
     SiLU-and-mul rounded as stock's compiled model, by the plugin's Triton kernels).
+    `plugin_graphs_sample_in_graph`: `plugin_graphs` with `sample_in_graph` (a sampled batch's
+    tokens drawn by the plugin's sampler graph).
     """
     if mode in _PLUGIN_GRAPH_MODES:
         return {"attention_config": {"backend": "CUSTOM"},

@@ -87,6 +87,13 @@ class PluginConfig:
     # (integration/model/graph_logits.py), for pure-decode batch buckets up to 64 rows (needs
     # fast_decode_inputs); false: vLLM computes the logits after the forward.
     logits_in_graph: bool = True
+    # Sampling from CUDA graphs of the plugin's (integration/runner/graph_sampling.py): after a
+    # step of up to 64 requests, a graph per batch bucket draws the tokens when every random
+    # row uses top-k 1..128 (with any temperature, top-p, min-p) and no request asks for a
+    # seed, logprobs, penalties, logit bias, min-tokens, allowed / bad words or structured
+    # output; any other batch runs vLLM's sampler, counted by reason. Off until measured on a
+    # GPU.
+    sample_in_graph: bool = False
     # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs
     # too, one per query-token bucket (requests padded to min(token bucket, 256); a step with
     # more requests to a power of two up to the largest decode batch bucket); false: they run
@@ -248,6 +255,7 @@ _PARSERS = {
     "compiled_numerics": _bool,
     "fast_decode_inputs": _bool,
     "logits_in_graph": _bool,
+    "sample_in_graph": _bool,
     "mixed_graphs": _bool,
     "token_buckets": _buckets,
     "mixed_requests": lambda k, v: _int(k, v, 1),

@@ -23,6 +23,7 @@ from prometheus_client import Counter, Gauge, Histogram, values
 from vllm_moe_graphs import __version__, envs
 from vllm_moe_graphs.capability import DecodeGraphCapability, Reason
 from vllm_moe_graphs.graphs.kinds import StepKind
+from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.stats import GraphStats
@@ -59,6 +60,12 @@ METRICS: dict[str, str] = {
     "moe_graphs_graph_rows_total": "rows (decode: requests; other kinds: query tokens) of steps "
     "run at a graph key's padded size, by step kind and row (real or padding)",
     "moe_graphs_scratch_bytes": "bytes of static input/output and scratch buffers used by graphs",
+    "moe_graphs_sampled_in_graph_total": "engine steps whose tokens a sampler graph drew "
+    "(sample_in_graph), by step kind",
+    "moe_graphs_sampler_fallbacks_total": "engine steps whose tokens vLLM's sampler drew while "
+    "sample_in_graph is on, by reason (all_greedy: vLLM's argmax by design) and step kind",
+    "moe_graphs_sampling_inexact_rows_total": "rows a sampler graph drew from its 129 "
+    "candidates while ties of the k-th largest logit reached past them",
 }
 
 _CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -157,8 +164,23 @@ class MetricsRecorder:
             self._scratch_bytes = Gauge(
                 "moe_graphs_scratch_bytes", METRICS["moe_graphs_scratch_bytes"], ["rank"],
                 registry=None, multiprocess_mode="max").labels(r)
+            sampled = Counter("moe_graphs_sampled_in_graph",
+                              METRICS["moe_graphs_sampled_in_graph_total"], ["kind", "rank"],
+                              registry=None)
+            self._sampled = {k: sampled.labels(k.value, r) for k in StepKind}
+            sampler_fallbacks = Counter(
+                "moe_graphs_sampler_fallbacks", METRICS["moe_graphs_sampler_fallbacks_total"],
+                ["reason", "kind", "rank"], registry=None)
+            self._sampler_fallbacks = {(x, k): sampler_fallbacks.labels(x.value, k.value, r)
+                                       for x in SamplingRefusal if x is not SamplingRefusal.SERVABLE
+                                       for k in StepKind}
+            self._inexact_rows = Counter(
+                "moe_graphs_sampling_inexact_rows",
+                METRICS["moe_graphs_sampling_inexact_rows_total"], ["rank"],
+                registry=None).labels(r)
         # the GraphStats counters `publish` sends, each with its label children by step kind
         self._by_kind = (("replays_by_kind", self._replays), ("captures_by_kind", self._captures),
+                         ("sampled_by_kind", self._sampled),
                          ("step_captures_by_kind", self._step_captures),
                          ("capture_failures_by_kind", self._capture_failures),
                          ("real_rows_by_kind", self._real_rows),
@@ -216,6 +238,10 @@ class MetricsRecorder:
                             lambda kind, n, c=children: c[kind].inc(n))
         _publish_deltas(stats.fallbacks_by_kind, counts.setdefault("fallbacks", {}),
                         lambda key, n: self.fallback(key[0], n, key[1]))
+        _publish_deltas(stats.sampler_fallbacks_by_kind, counts.setdefault("sampler", {}),
+                        lambda key, n: self._sampler_fallbacks[key].inc(n))
+        _publish_deltas({0: stats.sampling_inexact_rows}, counts.setdefault("inexact", {}),
+                        lambda _, n: self._inexact_rows.inc(n))
         while stats.capture_seconds:
             kind, seconds = stats.capture_seconds.pop(0)
             self._capture_seconds[kind].observe(seconds)

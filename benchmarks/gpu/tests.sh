@@ -50,7 +50,7 @@ if [ "${1:-}" = tier ]; then
   # are ~61 GB of weights, more than an H100 holds beside the other lanes)
   export MOE_GRAPHS_TEST_NUMERICS_LAYERS=${MOE_GRAPHS_TEST_NUMERICS_LAYERS:-'{"qwen3-30b-a3b": 12}'}
   set -- -m gpu tests/test_gpu_plugin.py tests/ops tests/graphs/test_gpu_runner.py \
-    tests/integration + -m gpu tests/attention tests/graphs/test_gpu_sampling.py \
+    tests/graphs/test_gpu_sampler_graphs.py tests/integration + -m gpu tests/attention tests/graphs/test_gpu_sampling.py \
     + -m gpu tests/graphs/test_gpu_numerics.py tests/graphs/test_gpu_refusals.py \
     + -m gpu "$P::test_graphs_match_kill_switch_eager[qwen3-0.6b]" \
     "$P::test_parallel_warm_up_compiles_keep_parity_and_compile_nothing_late" \

@@ -227,6 +227,15 @@ MODES: dict[str, Mode] = {
             diagnostic=True,
         ),
         Mode(
+            "plugin_graphs_sample_in_graph",
+            Family.PLUGIN,
+            True,
+            "plugin_graphs with sample_in_graph: a sampled batch's tokens drawn by the "
+            "plugin's sampler graph instead of vLLM's eager sampler (on request)",
+            startup_estimate_s=45.0,
+            diagnostic=True,
+        ),
+        Mode(
             "plugin_graphs_cublas",
             Family.PLUGIN,
             True,

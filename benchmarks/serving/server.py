@@ -108,6 +108,10 @@ SERVE_MODES: dict[str, ServeMode] = {
                   "(RMSNorm and SiLU-and-mul rounded as stock's compiled model, by the plugin's "
                   "Triton kernels)", settings=dict(compiled_numerics=True),
                   ready_estimate_s=60.0, default=False),
+        ServeMode("plugin_sample_in_graph", "on request: `plugin` with sample_in_graph (a "
+                  "sampled batch's tokens drawn by the plugin's sampler graph, not vLLM's eager "
+                  "sampler)", settings=dict(sample_in_graph=True), ready_estimate_s=60.0,
+                  default=False),
         ServeMode("plugin_lazy_capture", "on request: `plugin` with idle_capture false (graphs "
                   "captured only when traffic first reaches their key, never while idle)",
                   settings=dict(idle_capture=False), ready_estimate_s=60.0, default=False),

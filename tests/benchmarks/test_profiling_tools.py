@@ -122,7 +122,7 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
                           "plugin_graphs_experimental", "plugin_graphs_cublas",
                           "plugin_graphs_decode_only", "plugin_graphs_moe_padding",
                           "plugin_graphs_fused_router", "plugin_graphs_serial_warm_up",
-                          "plugin_graphs_compiled_numerics"}
+                          "plugin_graphs_compiled_numerics", "plugin_graphs_sample_in_graph"}
     assert not diagnostic & set(DEFAULT_MODES) and not diagnostic & set(STOCK_GRAPH_MODES)
     experimental = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_experimental")
     cfg = PluginConfig.from_additional_config(experimental["additional_config"])
@@ -145,6 +145,9 @@ def test_diagnostic_modes_stay_out_of_defaults_and_references() -> None:
     numerics = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_compiled_numerics")
     assert PluginConfig.from_additional_config(numerics["additional_config"]) == PluginConfig(
         compiled_numerics=True)
+    sampler = vllm_moe_graphs.benchmark_llm_kwargs("plugin_graphs_sample_in_graph")
+    assert PluginConfig.from_additional_config(sampler["additional_config"]) == PluginConfig(
+        sample_in_graph=True)
     for name in ("stock_full_decode_nc_v1", "plugin_backend_vllm_graphs"):
         env = MODES[name].worker_env()
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"

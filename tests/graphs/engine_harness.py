@@ -28,6 +28,7 @@ import time
 from tests.gpu_util import engine_env, engine_memory_kwargs, engine_timeout_s, shape_dir
 from tests.graphs.engine_script import ENGINE
 from tests.serve_util import metric_sum
+from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal
 
 NUM_LAYERS = 4
 NUM_PROMPTS, MAX_TOKENS = 64, 256
@@ -236,5 +237,12 @@ def run_mixed(tmp_path, shape: str, name: str, plugin: dict, graph_phase: dict |
         summary[f"{reason}_fallbacks"] = metric(g["metrics"], "moe_graphs_eager_fallbacks_total",
                                                 reason=reason)
     summary["capture_failures"] = metric(g["metrics"], "moe_graphs_capture_failures_total")
+    # sample_in_graph: steps a sampler graph drew, and vLLM's sampler's steps by reason
+    summary["sampled_in_graph"] = metric(g["metrics"], "moe_graphs_sampled_in_graph_total")
+    summary["sampler_fallbacks"] = {
+        reason.value: n for reason in SamplingRefusal
+        if (n := metric(g["metrics"], "moe_graphs_sampler_fallbacks_total", reason=reason.value))}
+    summary["sampling_inexact_rows"] = metric(g["metrics"],
+                                              "moe_graphs_sampling_inexact_rows_total")
     summary["startup_captures"] = metric(result["startup_metrics"], "moe_graphs_captures_total")
     return summary

@@ -152,7 +152,7 @@ def detail(out):
     prompt = out.prompt_logprobs
     return {"prompt_len": len(out.prompt_token_ids),
             "completions": [{"tokens": list(c.token_ids),
-                             "logprobs": [pos[t].logprob for pos, t in zip(c.logprobs,
+                             "logprobs": [pos[t].logprob for pos, t in zip(c.logprobs or [],
                                                                            c.token_ids)],
                              "text": tokenizer.decode(c.token_ids, skip_special_tokens=True)}
                             for c in out.outputs],
@@ -240,13 +240,13 @@ for phase in spec["phases"]:
     for out in outs:
         c = out.outputs[0]
         tokens.append(list(c.token_ids))
-        top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs)
+        top1.extend(max(lp.logprob for lp in pos.values()) for pos in c.logprobs or [])
     kill(False)
     seconds = round(time.perf_counter() - t1, 2)
     print("ENGINE_PHASE", json.dumps({k: v for k, v in phase.items() if k != "tokens"}),
           f"{seconds} s", flush=True)
     result["phases"].append({**phase, "tokens": tokens, "seconds": seconds,
-                             "mean_top1_logprob": sum(top1) / len(top1),
+                             "mean_top1_logprob": sum(top1) / max(1, len(top1)),
                              "metrics": collect_text()})
     if FEATURES:
         result["phases"][-1]["detail"] = [detail(out) for out in outs]

@@ -132,3 +132,42 @@ def test_sampling_features_through_graphs_match_kill_switch_eager(tmp_path):
     # decode steps handed their in-graph logits to the sampler these features act on
     assert summary["graph_logits_handed_over"] > 0, summary
     assert counts["identical"] == counts["requests"], counts
+
+
+SAMPLE_IN_GRAPH = {"sample_in_graph": True}
+QWEN3_CHAT = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "logprobs": None}
+
+
+def test_sampling_features_with_sampler_graphs_stay_vllms(tmp_path):
+    """`sample_in_graph` on: every feature of the parity above is one the sampler graph leaves
+    to vLLM's sampler (seeds, logprobs, penalties, logit bias, min tokens, structured output),
+    so graphs and the kill switch stay identical, and each batch is counted under its reason."""
+    summary = run_mixed(tmp_path, "tiny", "sampling-features-sampler-graphs", SAMPLE_IN_GRAPH,
+                        max_tokens=256, llm_extra={"skip_tokenizer_init": False},
+                        sampling_features=SAMPLING_FEATURES)
+    details = summary.pop("details")
+    report("parity-sampling-features-sampler-graphs", summary)
+    counts = check_sampling_features(details)
+    report("parity-sampling-features-sampler-graphs", {**summary, "sampling_features": counts})
+    assert counts["identical"] == counts["requests"], counts
+    assert summary["sampled_in_graph"] == 0, summary
+    assert summary["sampler_fallbacks"].get("logprobs", 0) > 0, summary["sampler_fallbacks"]
+    assert "sampler_failed" not in summary["sampler_fallbacks"], summary["sampler_fallbacks"]
+
+
+def test_unseeded_chat_sampling_is_drawn_by_sampler_graphs(tmp_path):
+    """Qwen3's advised chat sampling, unseeded, no logprobs: with `sample_in_graph` the graph
+    phase's sampled steps (decode and mixed) draw from sampler graphs, none falls back for a
+    reason other than the kill switch's phase, and every token is in the vocabulary. (Unseeded
+    draws differ between phases; the distribution is tests/graphs/test_gpu_sampler_graphs.py's.)"""
+    summary = run_mixed(tmp_path, "tiny", "chat-sampling-sampler-graphs", SAMPLE_IN_GRAPH,
+                        max_tokens=64, llm_extra={"skip_tokenizer_init": False},
+                        sampling_features=[QWEN3_CHAT])
+    details = summary.pop("details")
+    report("sampler-graphs-chat", summary)
+    assert summary["mode_graphs"] == 1, summary["log_lines"]
+    assert summary["sampled_in_graph"] > 0, summary
+    unexpected = set(summary["sampler_fallbacks"]) - {"kill_switch"}
+    assert not unexpected, summary["sampler_fallbacks"]
+    tokens = [t for req in details[0] for c in req["completions"] for t in c["tokens"]]
+    assert len(tokens) == 64 * len(details[0]), len(tokens)

@@ -171,6 +171,10 @@ class DecodeGraphRunner:
         return self.stats.scratch_bytes
 
     @property
+    def kill_switch(self) -> KillSwitch | None:
+        return self._kill
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

@@ -12,6 +12,7 @@ import dataclasses
 
 from vllm_moe_graphs.capability import Reason
 from vllm_moe_graphs.graphs.kinds import StepKind
+from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal
 
 
 def _add(counts: dict, key: object, n: int = 1) -> None:
@@ -43,6 +44,12 @@ class GraphStats:
     # padded size, real and padding: the padding's share is the bucket ladder's waste
     real_rows_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
     padding_rows_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
+    # sample_in_graph: steps whose tokens a sampler graph drew, and the steps vLLM's sampler
+    # drew instead, by why; rows sampled inexactly (top-k ties past the candidates), a total
+    sampled_by_kind: dict[StepKind, int] = dataclasses.field(default_factory=dict)
+    sampler_fallbacks_by_kind: dict[tuple[SamplingRefusal, StepKind], int] = dataclasses.field(
+        default_factory=dict)
+    sampling_inexact_rows: int = 0
 
     def replay(self, kind: StepKind = StepKind.DECODE) -> None:
         _add(self.replays_by_kind, kind)
@@ -53,6 +60,13 @@ class GraphStats:
     def padded_step(self, kind: StepKind, real: int, padding: int) -> None:
         _add(self.real_rows_by_kind, kind, real)
         _add(self.padding_rows_by_kind, kind, padding)
+
+    def sampled_in_graph(self, kind: StepKind, inexact_rows: int) -> None:
+        _add(self.sampled_by_kind, kind)
+        self.sampling_inexact_rows = inexact_rows
+
+    def sampler_fallback(self, reason: SamplingRefusal, kind: StepKind) -> None:
+        _add(self.sampler_fallbacks_by_kind, (reason, kind))
 
     def capture(self, kind: StepKind, seconds: float, pool_growth: int,
                 on_step: bool = False) -> None:

@@ -60,6 +60,7 @@ RUNNER_OVERRIDES: dict[str, tuple[str, ...]] = {
         "force_has_lora", "force_num_active_loras", "num_encoder_reqs"),
     "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
                        "model_kwargs"),
+    "_sample": ("self", "logits", "spec_decode_metadata"),
     "_bookkeeping_sync": ("self", "scheduler_output", "sampler_output", "logits",
                           "hidden_states", "num_scheduled_tokens"),
     "capture_model": ("self",),

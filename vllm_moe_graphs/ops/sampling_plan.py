@@ -21,13 +21,30 @@ from vllm_moe_graphs.ops.sampling import K_CAP, SAMPLING_EPS
 
 
 class SamplingRefusal(str, enum.Enum):
-    """Why a batch's sampling cannot run inside the graph. The value is a metrics label."""
+    """Why a batch's sampling cannot run inside the graph. The value is a metrics label.
+
+    The first five are judged by `servable` on the op's parameters; the rest by the caller on
+    what else the batch asks of vLLM's sampler (integration/runner/graph_sampling.py)."""
 
     SERVABLE = "servable"
     SEEDED = "seeded"  # a per-request generator: vLLM draws its noise row by row
     TOP_K_DISABLED = "top_k_disabled"  # a random row sampling beyond the candidates
     TOP_K_TOO_LARGE = "top_k_too_large"  # above K_CAP
     INVALID_PARAMETER = "invalid_parameter"  # outside what SamplingParams validates
+    ALL_GREEDY = "all_greedy"  # vLLM's argmax: a few launches, nothing to gain
+    PENALTIES = "penalties"  # repetition / presence / frequency: read the output history
+    LOGIT_BIAS = "logit_bias"
+    MIN_TOKENS = "min_tokens"
+    ALLOWED_TOKEN_IDS = "allowed_token_ids"
+    BAD_WORDS = "bad_words"
+    LOGPROBS = "logprobs"  # top-n or specific-token logprobs, or a request's own logprob
+    LOGITS_PROCESSORS = "logits_processors"  # a custom processor or a thinking budget
+    STRUCTURED_OUTPUT = "structured_output"  # a grammar's bitmask on the logits
+    SPEC_DECODE = "spec_decode"  # vLLM's rejection sampler
+    BATCH_TOO_LARGE = "batch_too_large"  # more rows than the sampler's largest bucket
+    LOGITS_SHAPE = "logits_shape"  # logits not [requests, vocabulary]
+    KILL_SWITCH = "kill_switch"  # the runtime kill switch is on: vLLM samples every step
+    SAMPLER_FAILED = "sampler_failed"  # a sampler graph failed (logged): vLLM samples on
 
 
 @dataclass(frozen=True, slots=True)

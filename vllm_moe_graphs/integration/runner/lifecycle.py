@@ -2,17 +2,18 @@
 
 `MoeGraphsModelRunner` forwards vLLM's calls here and holds nothing else of ours. This object
 owns the KV storage binding, the `DecodeGraphRunner` and its per-step plan, the plugin's decode
-inputs and in-graph logits, and the start-up work (kernel warm-up, precapture):
+inputs, in-graph logits and sampler graphs, and the start-up work (kernel warm-up, precapture):
 
     lifecycle = GraphLifecycle(runner, config)          # the runner's __init__
     lifecycle.register(model)                           # load_model: classify, install kernels
     lifecycle.bind(Phase.SERVING); lifecycle.start()    # initialize_kv_cache (serving)
     lifecycle.unbind(why) / revalidate(event) / drop_graphs(event) / rebind(why)
-    lifecycle.begin_step() ... end_step()               # execute_model (or `with step()`)
+    lifecycle.begin_step(out) ... end_step()            # execute_model (or `with step()`)
         lifecycle.prepare_inputs(...)                   #   _prepare_inputs (pure decode)
         rows = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
         lifecycle.builds_metadata()                     #   _build_attention_metadata
         lifecycle.forward(args)                         #   _model_forward (consumes the plan)
+    lifecycle.sample(logits, spec)                      # sample_tokens -> _sample
     lifecycle.capture_model()                           # warm-up, precapture
     with lifecycle.capturing(key): ...                  # precapture's dummy batch for `key`
     lifecycle.close()                                   # shutdown
@@ -38,12 +39,9 @@ from vllm_moe_graphs.graphs.plan import StepPlan, StepScope, key_padding
 from vllm_moe_graphs.graphs.runner import Action, Decision, DecodeGraphRunner
 from vllm_moe_graphs.integration.runner import buffers
 from vllm_moe_graphs.integration.runner.decode_inputs import DecodeInputs, pure_decode, unsupported
+from vllm_moe_graphs.integration.runner.graph_sampling import GraphSampling, install_graph_sampling
 from vllm_moe_graphs.integration.model.graph_logits import install_graph_logits
-from vllm_moe_graphs.integration.model.moe_padding import (
-    MoePadding,
-    install_moe_padding,
-    key_scope,
-)
+from vllm_moe_graphs.integration.model.moe_padding import MoePadding, key_scope
 from vllm_moe_graphs.kv.storage import PagedKVStorage, Phase
 
 if TYPE_CHECKING:
@@ -69,6 +67,7 @@ class GraphLifecycle:
         self.graphs: DecodeGraphRunner | None = None
         self.inputs: DecodeInputs | None = None  # fast_decode_inputs, once serving is bound
         self.logits: GraphLogits | None = None  # logits_in_graph, with `inputs`
+        self.sampling: GraphSampling | None = None  # sample_in_graph, with `graphs`
         self.linear: dict[str, Any] = {}  # small_m_gemm: layer name -> SmallMLinearMethod
         self.fused_attn: dict[str, str] = {}  # fuse_qk_norm_rope: module -> fused or why not
         self.norms: dict[str, str] = {}  # compiled_numerics: module -> installed or why not
@@ -96,25 +95,12 @@ class GraphLifecycle:
         proof = self.layers.proof()
         logger.info("moe_graphs: model layers %s%s", proof.reason.value,
                     f" ({proof.detail})" if proof.detail else "")
-        c = self.config
-        if c.enabled and c.small_m_gemm and proof.holds:
-            from vllm_moe_graphs.integration.model.small_m_linear import install_small_m_gemm
+        if self.config.enabled and proof.holds:
+            from vllm_moe_graphs.integration.model.kernels import install_kernels
 
-            self.linear = install_small_m_gemm(model, c.small_m_gemm)
-        if c.enabled and c.fuse_qk_norm_rope and proof.holds:
-            from vllm_moe_graphs.integration.model.qk_norm_rope import install_fused_qk_norm_rope
-
-            self.fused_attn = install_fused_qk_norm_rope(model)
-        if c.enabled and c.compiled_numerics and proof.holds:
-            from vllm_moe_graphs.integration.model.compiled_numerics import (
-                install_compiled_numerics,
-            )
-
-            mc = self._runner.model_config
-            self.norms = install_compiled_numerics(model, mc.get_hidden_size(), mc.dtype)
-        if c.enabled and c.skip_moe_padding and proof.holds:
-            self.moe_padding = install_moe_padding(model, self._runner,
-                                                   c.fuse_moe_padding_mask)
+            k = install_kernels(model, self._runner, self.config)
+            self.linear, self.fused_attn, self.norms = k.linear, k.fused_attn, k.norms
+            self.moe_padding = k.moe_padding
 
     def bind(self, phase: Phase) -> None:
         """Bind the storage to the KV tensors vLLM bound to our layers (else log why not)."""
@@ -187,6 +173,8 @@ class GraphLifecycle:
         """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
         discards contents at the same addresses; a reload may move weights); counted in
         `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
+        if self.sampling is not None:
+            self.sampling.graphs.drop()
         if self.graphs is None or self.graphs.closed:
             return
         self.graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, event)
@@ -226,9 +214,13 @@ class GraphLifecycle:
                         f"vLLM ({why})" if why else "the plugin (fast_decode_inputs)")
         if c.logits_in_graph and self.inputs is not None and self.logits is None:
             self.logits = install_graph_logits(self.model, self.graphs)
+        if c.sample_in_graph and self.graphs is not None and self.sampling is None:
+            self.sampling = install_graph_sampling(r, self.logits, self.graphs)
         self.publish()
 
     def close(self) -> None:
+        if self.sampling is not None:
+            self.sampling.graphs.drop()
         if self.graphs is not None:
             self.graphs.close()
             self.publish()
@@ -241,10 +233,12 @@ class GraphLifecycle:
             self._recorder.publish(self.graphs.stats)
 
     # -- one engine step -------------------------------------------------------------------------
-    def begin_step(self) -> StepScope:
+    def begin_step(self, scheduler_output: Any = None) -> StepScope:
         """Open the scope of one `execute_model`: outside it (vLLM's profile and warm-up dummy
         runs) nothing is planned, padded or graphed. Close it with `end_step`."""
         self._step = StepScope()
+        if self.sampling is not None:
+            self.sampling.begin_step(scheduler_output)
         return self._step
 
     def end_step(self) -> None:
@@ -285,6 +279,8 @@ class GraphLifecycle:
         if step is None:
             return None  # vLLM's dummy runs (profiling, warm-up) stay eager and unpadded
         kind = step_kind(num_tokens, num_reqs, max_query_len, query_lens)
+        if self.sampling is not None:
+            self.sampling.kind = kind
         decode = kind is StepKind.DECODE and not force_eager
         mixed = kind is not StepKind.DECODE and not force_eager and self.config.mixed_graphs
         max_context = int(self._runner.optimistic_seq_lens_cpu.numpy()[:num_reqs].max()) \
@@ -328,6 +324,10 @@ class GraphLifecycle:
             self.logits.hand_over(out, plan.decision.num_reqs)
         return out
 
+    def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        """The step's `SamplerOutput` from a sampler graph (None: vLLM's sampler runs)."""
+        return self.sampling.sample(logits, spec_decode_metadata) if self.sampling else None
+
     def bookkeeping(self, scheduler_output: Any, sampler_output: Any) -> tuple[Any, ...] | None:
         """A pure-decode step's bookkeeping by `DecodeInputs` (None: vLLM's)."""
         if self.inputs is None or not pure_decode(self._runner, scheduler_output):
@@ -343,6 +343,8 @@ class GraphLifecycle:
         from vllm_moe_graphs.integration.startup.precapture import precapture_all
 
         try:
+            if self.sampling is not None:
+                self.sampling.graphs.capture_all()
             return precapture_all(self._runner, self)
         finally:
             self.publish()

@@ -24,6 +24,7 @@ method                                  | parameters after self                 
 `_build_attention_metadata`             | num_tokens, num_reqs, max_query_len, num_tokens_padded, num_reqs_padded, ubatch_slices, logits_indices, use_spec_decode, for_cudagraph_capture, num_scheduled_tokens, cascade_attn_prefix_lens, slot_mappings | skip on replay
 `_determine_batch_execution_and_padding` | num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn, allow_microbatching, force_eager, force_uniform_decode, force_has_lora, force_num_active_loras, num_encoder_reqs | plan, pad
 `_model_forward`                        | input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs | replay
+`_sample`                               | logits, spec_decode_metadata                         | sampler graph
 `_bookkeeping_sync`                      | scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens | decode bookkeeping
 `capture_model`                         |                                                      | warm-up, precapture, sampler compile joined, sampling variants
 
@@ -49,7 +50,9 @@ fallback returns vLLM's unpadded NONE. A lean replay builds no attention metadat
 reads the persistent buffers). `_model_forward` runs the plan through the `DecodeGraphRunner`,
 which hands back only the real rows; on graph paths of batch buckets up to 64 the forward
 includes the LM head (`integration/model/graph_logits.py`), whose logits vLLM's `compute_logits`
-call then receives.
+call then receives. With `sample_in_graph`, vLLM's `sample_tokens` calls `_sample`, which replays
+a sampler graph over those logits where the batch allows
+(`integration/runner/graph_sampling.py`), else runs vLLM's sampler.
 
 Called, not overridden: `get_model(self)`, `_dummy_run(self, num_tokens, ...)` (warm-up,
 precapture), `input_batch.block_table.compute_slot_mapping` (warm-up).
@@ -72,6 +75,7 @@ vLLM 0.26.0 lifecycle (V1, one worker; `Worker` is `v1/worker/gpu_worker.py`):
                                           then vLLM's sampler warm-up
     per step: execute_model -> _determine_batch_execution_and_padding             (plan)
                             -> _model_forward                                    (replay)
+              sample_tokens -> _sample                                    (sampler graph)
     Worker.wake_up(tags)               -> post_kv_cache_wake_up (only if tags is None or has
                                           "kv_cache")                                (revalidate)
     Worker.reload_weights              -> reload_weights                             (invalidate)
@@ -170,7 +174,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
     # -- per step --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput,
                       intermediate_tensors: IntermediateTensors | None = None) -> Any:
-        self.moe_graphs.begin_step()
+        self.moe_graphs.begin_step(scheduler_output)
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -234,6 +238,10 @@ class MoeGraphsModelRunner(GPUModelRunner):
             return out
         return super()._model_forward(input_ids, positions, intermediate_tensors,
                                       inputs_embeds, **model_kwargs)
+
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        out = self.moe_graphs.sample(logits, spec_decode_metadata)
+        return out if out is not None else super()._sample(logits, spec_decode_metadata)
 
     def _bookkeeping_sync(self, scheduler_output: SchedulerOutput, sampler_output: Any,
                           logits: torch.Tensor | None, hidden_states: torch.Tensor,
