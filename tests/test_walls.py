@@ -117,6 +117,7 @@ ROOM_MAY_IMPORT = {  # room -> the other rooms of integration/ it may import, at
 STARTUP = f"{INTEGRATION_PKG}.startup"
 STEP_PATH = (  # what a serving step runs: never imports start-up work
     f"{INTEGRATION_PKG}.runner.decode_inputs", f"{INTEGRATION_PKG}.runner.buffers",
+    f"{INTEGRATION_PKG}.runner.graph_sampling",
     f"{INTEGRATION_PKG}.model", f"{INTEGRATION_PKG}.attention",
     f"{ROOT}.graphs", f"{ROOT}.ops", f"{ROOT}.kv",
 )
