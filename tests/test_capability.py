@@ -105,6 +105,19 @@ def test_no_quantization_is_proven_yet():
     assert PROVEN_QUANTIZATION == frozenset()
 
 
+def test_block_fp8_on_other_kernels_is_refused_even_when_taken_over():
+    deep_gemm = "DeepGEMM's JIT GEMM (installed, VLLM_USE_DEEP_GEMM on)"
+    taken = dataclasses.replace(ELIGIBLE_FACTS, quantization=BLOCK_FP8, is_moe=True,
+                                unproven=frozenset({"fp8"}))
+    assert config_capability(taken).eligible
+    report = config_capability(dataclasses.replace(taken, fp8_kernels=deep_gemm))
+    assert report.reasons == (Reason.FP8_UNPROVEN_KERNELS,)
+    assert deep_gemm in report.render()
+    # not taken over: the method itself is unproven, whatever kernels would run
+    refused = dataclasses.replace(taken, unproven=frozenset(), fp8_kernels=deep_gemm)
+    assert config_capability(refused).reasons == (Reason.UNSUPPORTED_QUANTIZATION,)
+
+
 def test_mla_wins_over_architecture_even_with_qwen_name():
     # a latent-KV config is classified MLA before anything else is read about its heads
     facts = dataclasses.replace(ELIGIBLE_FACTS, has_mla=True)

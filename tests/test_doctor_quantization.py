@@ -71,6 +71,7 @@ def test_per_tensor_fp8_fix_names_the_row_independent_form(capsys):
 
 def test_unproven_fp8_takes_over_block_fp8_only(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", "fp8")
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")  # the proofs' kernels (see the next test)
     hf = json.loads((doctor_shape("qwen3-30b-a3b") / "config.json").read_text())
     hf["quantization_config"] = FP8_BLOCK_CONFIG
     for argv in ([_config_dir(tmp_path, hf)], ["qwen3-30b-a3b", "-q", "fp8_per_block"]):
@@ -82,3 +83,30 @@ def test_unproven_fp8_takes_over_block_fp8_only(capsys, monkeypatch, tmp_path):
     code, out = _run(capsys, "qwen3-30b-a3b", "-q", "fp8")
     assert _reasons(out) == ["no_cuda", "fp8_per_tensor_moe"], out
     assert "MOE_GRAPHS_UNPROVEN" not in out
+
+
+@pytest.mark.parametrize("env,moe_backend,kernels", [
+    ({}, None, "DeepGEMM's JIT GEMM (installed, VLLM_USE_DEEP_GEMM on)"),
+    ({"VLLM_USE_DEEP_GEMM": "0"}, "flashinfer_cutlass",
+     "the fused MoE backend 'flashinfer_cutlass' (--moe-backend)"),
+    ({"VLLM_USE_DEEP_GEMM": "0", "VLLM_TEST_FORCE_FP8_MARLIN": "1"}, None,
+     "Marlin (VLLM_TEST_FORCE_FP8_MARLIN)"),
+    ({"VLLM_USE_DEEP_GEMM": "0"}, "triton", None),
+])
+def test_block_fp8_only_on_the_proofs_kernels(capsys, monkeypatch, env, moe_backend, kernels):
+    """vLLM 0.26 ships DeepGEMM (vllm/third_party/deep_gemm) and picks it first for block FP8
+    while VLLM_USE_DEEP_GEMM is on (its default): a JIT GEMM that re-quantizes the weights'
+    scales, not what the plugin's FP8 proofs ran on (vLLM's CUTLASS block GEMM, Triton
+    experts). Even taken over unproven, block FP8 on other kernels runs stock vLLM."""
+    monkeypatch.setenv("MOE_GRAPHS_UNPROVEN", "fp8")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    flags = ["--moe-backend", moe_backend] if moe_backend else []
+    code, out = _run(capsys, "qwen3-30b-a3b", "-q", "fp8_per_block", *flags)
+    if kernels is None:
+        assert _reasons(out) == ["no_cuda"], out
+        return
+    assert _reasons(out) == ["no_cuda", "fp8_unproven_kernels"], out
+    assert f"fp8_unproven_kernels (quantization fp8_per_block: block-quantized FP8" in out
+    assert f"on {kernels})" in out
+    assert "VLLM_USE_DEEP_GEMM=0" in out[out.index("fp8_unproven_kernels"):], out

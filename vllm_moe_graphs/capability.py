@@ -35,6 +35,7 @@ class Reason(str, enum.Enum):
     OFFLOAD_NOT_GRAPH_SAFE = "offload_not_graph_safe"
     UNSUPPORTED_QUANTIZATION = "unsupported_quantization"
     FP8_PER_TENSOR_MOE = "fp8_per_tensor_moe"
+    FP8_UNPROVEN_KERNELS = "fp8_unproven_kernels"
     SLIDING_WINDOW = "sliding_window"
     POOLING_RUNNER = "pooling_runner"
     DATA_PARALLEL = "data_parallel"
@@ -83,6 +84,9 @@ REMEDY: dict[Reason, str] = {
     "quantization_config has weight_block_size [128, 128], e.g. Qwen/Qwen3-30B-A3B-FP8, or "
     "--quantization fp8_per_block on a bf16 checkpoint), whose activations are quantized per "
     "token and 128-column group (not proven yet either: unsupported_quantization)",
+    Reason.FP8_UNPROVEN_KERNELS: "set VLLM_USE_DEEP_GEMM=0 (and leave --moe-backend auto): "
+    "vLLM then runs block FP8 on its CUTLASS GEMM and Triton experts, the kernels the plugin's "
+    "proofs ran on; with DeepGEMM, FlashInfer or Marlin stock vLLM serves it",
     Reason.SLIDING_WINDOW: "pass --disable-sliding-window (vLLM then caps --max-model-len at the "
     "window) to use the plugin; with the window on, stock vLLM runs",
     Reason.POOLING_RUNNER: "the plugin graphs text generation only; pooling models (--runner "
@@ -271,6 +275,9 @@ class ConfigFacts:
     # unproven configurations taken over for a GPU proof run (MOE_GRAPHS_UNPROVEN): "fp8"
     # (block-quantized FP8 weights), "fp8_kv" (an FP8 e4m3 KV cache)
     unproven: frozenset[str] = frozenset()
+    # why vLLM would run block FP8 on kernels the plugin's proofs did not (DeepGEMM, FlashInfer,
+    # Marlin, a --moe-backend); "" when its CUTLASS GEMM and Triton experts run
+    fp8_kernels: str = ""
 
 
 # Proofs that every runtime report must carry before replay is allowed.
@@ -316,6 +323,10 @@ def quantization_proof(facts: ConfigFacts) -> Proof:
         return Proof("quantization", Reason.FP8_PER_TENSOR_MOE,
                      f"quantization {q}, on an MoE model: the fused MoE takes one activation "
                      "scale over all rows of a step, padding rows included")
+    if q is not None and (q in PROVEN_QUANTIZATION or _unproven_block_fp8(facts)) \
+            and q.fp8_scheme is Fp8Scheme.BLOCK and facts.fp8_kernels:
+        return Proof("quantization", Reason.FP8_UNPROVEN_KERNELS,
+                     f"quantization {q}, on {facts.fp8_kernels}")
     if q is None or q in PROVEN_QUANTIZATION or _unproven_block_fp8(facts):
         return Proof("quantization", Reason.ELIGIBLE)
     return Proof("quantization", Reason.UNSUPPORTED_QUANTIZATION, f"quantization {q}")

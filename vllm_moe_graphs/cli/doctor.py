@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default=None)
     p.add_argument("--quantization-config", type=_json, default=None,
                    help="an online method's specs (with --quantization online / fp8_per_*)")
+    p.add_argument("--moe-backend", default="auto",
+                   type=lambda s: s.lower().replace("-", "_"))  # as vLLM normalises it
     p.add_argument("--disable-sliding-window", action="store_true")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling", "draft"])
     p.add_argument("--convert", default="auto")

@@ -205,6 +205,26 @@ def weight_quantization(method: str | None, hf: Mapping[str, Any],
     return WeightQuantization(method)
 
 
+def fp8_kernels(quantization: WeightQuantization | None, moe_backend: str) -> str:
+    """For block FP8 weights: which kernels other than its CUTLASS block GEMM and Triton experts
+    (the ones the plugin's proofs ran on) vLLM 0.26 would pick, "" when none. DeepGEMM (JIT
+    per shape, its E8M0 scales re-quantize the weights) is first in vLLM's lists whenever it is
+    installed and VLLM_USE_DEEP_GEMM is on; FlashInfer's block GEMM runs only beside it. Read
+    without a GPU (the doctor), so the compute capability is not asked."""
+    if quantization is None or quantization.fp8_scheme is not Fp8Scheme.BLOCK:
+        return ""
+    import vllm.envs as vllm_envs
+    from vllm.utils.import_utils import has_deep_gemm
+
+    if moe_backend not in ("auto", "triton"):
+        return f"the fused MoE backend {moe_backend!r} (--moe-backend)"
+    if vllm_envs.VLLM_TEST_FORCE_FP8_MARLIN:
+        return "Marlin (VLLM_TEST_FORCE_FP8_MARLIN)"
+    if vllm_envs.VLLM_USE_DEEP_GEMM and has_deep_gemm():
+        return "DeepGEMM's JIT GEMM (installed, VLLM_USE_DEEP_GEMM on)"
+    return ""
+
+
 def _runner_type(args: EngineArgs, model: str) -> str:
     """vLLM's runner for `args` (`ModelConfig._get_runner_type` for a Qwen3 generation
     architecture): as given, pooling under a --convert, or pooling for a sentence-transformers
@@ -241,7 +261,8 @@ def facts_from_vllm_config(vllm_config: VllmConfig, plugin: PluginConfig) -> Con
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         unproven=envs.MOE_GRAPHS_UNPROVEN,
         head_size=_head_size(hf),
-        quantization=weight_quantization(mc.quantization, hf, mc.quantization_config),
+        quantization=(quant := weight_quantization(mc.quantization, hf, mc.quantization_config)),
+        fp8_kernels=fp8_kernels(quant, str(vllm_config.kernel_config.moe_backend)),
         sliding_window=mc.get_sliding_window(),
         runner_type=str(mc.runner_type),
         data_parallel_size=vllm_config.parallel_config.data_parallel_size,
@@ -276,8 +297,9 @@ def facts_from_engine_args(args: EngineArgs, hf: Mapping[str, Any]) -> ConfigFac
         disabled_by_env=envs.MOE_GRAPHS_DISABLE,
         unproven=envs.MOE_GRAPHS_UNPROVEN,
         head_size=_head_size(hf),
-        quantization=weight_quantization(args.quantization or _quantization(hf), hf,
-                                         args.quantization_config),
+        quantization=(quant := weight_quantization(args.quantization or _quantization(hf), hf,
+                                                   args.quantization_config)),
+        fp8_kernels=fp8_kernels(quant, str(args.moe_backend)),
         sliding_window=None if args.disable_sliding_window else _sliding_window(hf),
         runner_type=_runner_type(args, args.model),
         data_parallel_size=int(args.data_parallel_size),
