@@ -82,6 +82,11 @@ class SamplerGraphs:
         return tuple(sorted(self._graphs))
 
     @property
+    def pool_bytes(self) -> int:
+        """Bytes the live graphs' captures added to their pool (CUDA; 0 on emulation)."""
+        return sum(graph.pool_bytes for graph in self._graphs.values())
+
+    @property
     def inexact_rows(self) -> int:
         """Rows sampled inexactly so far, as of the last step's copy (no device sync)."""
         return int(self._inexact_host[0])

@@ -42,7 +42,7 @@ class SamplingRefusal(str, enum.Enum):
     STRUCTURED_OUTPUT = "structured_output"  # a grammar's bitmask on the logits
     SPEC_DECODE = "spec_decode"  # vLLM's rejection sampler
     BATCH_TOO_LARGE = "batch_too_large"  # more rows than the sampler's largest bucket
-    LOGITS_SHAPE = "logits_shape"  # logits not [requests, vocabulary]
+    LOGITS_SHAPE = "logits_shape"  # logits not [requests, vocabulary] in the model's dtype
     KILL_SWITCH = "kill_switch"  # the runtime kill switch is on: vLLM samples every step
     SAMPLER_FAILED = "sampler_failed"  # a sampler graph failed (logged): vLLM samples on
 

@@ -174,3 +174,26 @@ def test_the_runner_samples_from_the_graph_and_else_runs_vllms_sampler():
     assert calls == []
     r.input_batch = s._runner.input_batch = input_batch([{"temperature": 0}] * 2)
     assert r._sample(rows(2), None) == "vllm's" and calls == [(2, V)]
+
+
+def test_logits_of_another_dtype_are_vllms():
+    """A copy into the bfloat16 buffer would round float32 logits: vLLM samples those."""
+    s = sampling([RANDOM] * 2)
+    assert s.refusal(rows(2).float(), None) is R.LOGITS_SHAPE
+
+
+def test_the_sampler_graphs_pool_is_counted_in_the_scratch_bytes():
+    class Sized(CudaLikeCapture):
+        def __call__(self, fn, pool, before_capture, *, warm_up: bool = True):
+            graph = super().__call__(fn, pool, before_capture, warm_up=warm_up)
+            return type(graph)(graph.replay, graph.output, 1000, graph.release)
+
+    s = sampling([RANDOM] * 2)
+    s.graphs._capture_fn = Sized()
+    s._stats.scratch_bytes = 50
+    s.sample(rows(2), None)  # bucket 2 captured on first use
+    assert s._stats.scratch_bytes == 1050
+    s.capture_all()  # the other eight buckets
+    assert s._stats.scratch_bytes == 50 + 9 * 1000
+    s.drop()
+    assert s._stats.scratch_bytes == 50

@@ -59,8 +59,8 @@ def install_graph_sampling(runner: Any, logits: GraphLogits | None,
         rows = max(b for b in buckets if b <= MAX_ROWS) if buckets[0] <= MAX_ROWS else buckets[0]
         buffer = torch.zeros(rows, vocab, dtype=runner.model_config.dtype, device=runner.device)
     sampler = SamplerGraphs(buffer, vocab, buckets)
-    graphs.set_scratch_bytes(graphs.scratch_bytes + sampler.nbytes
-                             + (0 if logits is not None else buffer.numel() * buffer.element_size()))
+    own = 0 if logits is not None else buffer.numel() * buffer.element_size()
+    graphs.set_scratch_bytes(graphs.scratch_bytes + sampler.nbytes + own)
     logger.info("moe_graphs: sampling inside graphs (sample_in_graph) for batches of up to %d "
                 "requests", sampler.max_rows)
     return GraphSampling(runner, sampler, graphs.stats, graphs.kill_switch)
@@ -78,6 +78,22 @@ class GraphSampling:
         self._structured = False  # this step's scheduler output has structured-output requests
         self.kind = StepKind.DECODE  # the kind of the step whose logits come next (metrics)
         self._failed: str | None = None  # a capture or replay raised: vLLM samples from then on
+        self._pool_counted = 0  # the sampler graphs' pool bytes in the stats' scratch bytes
+
+    def capture_all(self) -> None:
+        """Start-up: capture every bucket's graph, so no serving step waits for one."""
+        self.graphs.capture_all()
+        self._count_pool()
+
+    def drop(self) -> None:
+        """Drop the graphs (wake-up, reload, close); the next use recaptures."""
+        self.graphs.drop()
+        self._count_pool()
+
+    def _count_pool(self) -> None:
+        now = self.graphs.pool_bytes
+        self._stats.scratch_bytes += now - self._pool_counted
+        self._pool_counted = now
 
     def begin_step(self, scheduler_output: Any) -> None:
         """`execute_model`: what `_sample` needs of the scheduler output (gone by then)."""
@@ -102,6 +118,8 @@ class GraphSampling:
             self._stats.sampler_fallback(R.SAMPLER_FAILED, self.kind)
             return None
         self._stats.sampled_in_graph(self.kind, self.graphs.inexact_rows)
+        if self.graphs.pool_bytes != self._pool_counted:  # a bucket's first use captured it
+            self._count_pool()
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
 
     def refusal(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplingRefusal:
@@ -115,8 +133,8 @@ class GraphSampling:
         batch = self._runner.input_batch
         n = batch.num_reqs
         if logits is None or logits.dim() != 2 or logits.shape[0] != n \
-                or logits.shape[1] != self.graphs.vocab:
-            return R.LOGITS_SHAPE
+                or logits.shape[1] != self.graphs.vocab or logits.dtype != self.graphs.logits.dtype:
+            return R.LOGITS_SHAPE  # a copy into the buffer would round them
         md = batch.sampling_metadata
         if md.all_greedy:
             return R.ALL_GREEDY

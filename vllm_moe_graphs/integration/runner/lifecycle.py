@@ -174,7 +174,7 @@ class GraphLifecycle:
         discards contents at the same addresses; a reload may move weights); counted in
         `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
         if self.sampling is not None:
-            self.sampling.graphs.drop()
+            self.sampling.drop()
         if self.graphs is None or self.graphs.closed:
             return
         self.graphs.invalidate(Reason.STORAGE_IDENTITY_CHANGED, event)
@@ -220,7 +220,7 @@ class GraphLifecycle:
 
     def close(self) -> None:
         if self.sampling is not None:
-            self.sampling.graphs.drop()
+            self.sampling.drop()
         if self.graphs is not None:
             self.graphs.close()
             self.publish()
@@ -344,7 +344,7 @@ class GraphLifecycle:
 
         try:
             if self.sampling is not None:
-                self.sampling.graphs.capture_all()
+                self.sampling.capture_all()
             return precapture_all(self._runner, self)
         finally:
             self.publish()
