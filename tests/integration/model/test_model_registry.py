@@ -155,6 +155,50 @@ def test_importing_the_registry_imports_no_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 
+def test_fp8_layers_only_on_the_kernels_the_proofs_ran_on():
+    """vLLM 0.26's own classes (not constructed: their __init__ needs a GPU config): an FP8
+    linear layer on the CUTLASS block GEMM and a fused MoE on Triton experts pass; DeepGEMM's
+    GEMM, the per-tensor CUTLASS GEMM and other experts are named; an FP8 KV cache's method
+    (no weights) and unquantized layers are not FP8 layers."""
+    pytest.importorskip("vllm.model_executor.layers.quantization.fp8")
+    from types import SimpleNamespace as ns
+
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFp8BlockScaledMMKernel, CutlassFP8ScaledMMLinearKernel)
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel)
+    from vllm.model_executor.layers.fused_moe.experts.deep_gemm_moe import DeepGemmExperts
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.quantization.fp8 import (
+        Fp8KVCacheMethod, Fp8LinearMethod, Fp8MoEMethod)
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from vllm_moe_graphs.integration.model.registry import unproven_fp8_kernel
+
+    def bare(cls, **attrs):
+        obj = cls.__new__(cls)
+        obj.__dict__.update(attrs)
+        return obj
+
+    def linear(kernel):
+        return ns(quant_method=bare(Fp8LinearMethod, fp8_linear=bare(kernel)))
+
+    def moe(experts):
+        kernel = ns(impl=ns(fused_experts=bare(experts)))
+        return ns(quant_method=bare(Fp8MoEMethod, moe_kernel=kernel))
+
+    assert unproven_fp8_kernel(linear(CutlassFp8BlockScaledMMKernel)) is None
+    assert unproven_fp8_kernel(moe(TritonExperts)) is None
+    assert unproven_fp8_kernel(linear(DeepGemmFp8BlockScaledMMKernel)) == \
+        "DeepGemmFp8BlockScaledMMKernel"
+    assert unproven_fp8_kernel(linear(CutlassFP8ScaledMMLinearKernel)) == \
+        "CutlassFP8ScaledMMLinearKernel"
+    assert unproven_fp8_kernel(moe(DeepGemmExperts)) == "DeepGemmExperts"
+    assert unproven_fp8_kernel(ns(quant_method=bare(Fp8KVCacheMethod))) is None
+    assert unproven_fp8_kernel(ns(quant_method=bare(UnquantizedLinearMethod))) is None
+    assert unproven_fp8_kernel(ns()) is None
+
+
 # ---------------------------------------------------------------------------- real vLLM layers
 
 _BUILD = r"""

@@ -203,9 +203,34 @@ class AttentionLayerRegistry:
         return Proof(STORAGE_MATCH_PROOF, Reason.ELIGIBLE)
 
 
+@functools.cache
+def _proven_fp8_kernels() -> tuple[type, ...]:
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    return CutlassFp8BlockScaledMMKernel, TritonExperts
+
+
+def unproven_fp8_kernel(module: Any) -> str | None:
+    """The kernel an FP8 layer of vLLM 0.26 runs (a linear layer's `fp8_linear`, a fused MoE's
+    experts), when it is not one the plugin's FP8 proofs ran on (vLLM's CUTLASS block GEMM,
+    Triton experts); None for those and for layers without FP8 weights. The config-time check
+    (`fp8_unproven_kernels`) predicts vLLM's choice; this reads what it chose."""
+    method = getattr(module, "quant_method", None)
+    if method is None or "Fp8" not in type(method).__name__:
+        return None
+    kernel = getattr(method, "fp8_linear", None)
+    if kernel is None and (moe := getattr(method, "moe_kernel", None)) is not None:
+        kernel = getattr(getattr(moe, "impl", None), "fused_experts", None)
+    if kernel is None or type(kernel) in _proven_fp8_kernels():
+        return None  # e.g. an FP8 KV cache's method: no weights
+    return type(kernel).__name__
+
+
 def register_model(model: nn.Module) -> AttentionLayerRegistry:
     """Classify `model` (the unwrapped vLLM model) by exact type, then register every attention
-    module; any other KV-owning layer (an AttentionLayerBase not claimed) denies."""
+    module; any other KV-owning layer (an AttentionLayerBase not claimed) denies, and so does an
+    FP8 layer on a kernel the FP8 proofs did not run (`unproven_fp8_kernel`)."""
     registry = AttentionLayerRegistry()
     kind = classify_model_class(type(model))
     if not kind.holds:
@@ -222,4 +247,6 @@ def register_model(model: nn.Module) -> AttentionLayerRegistry:
             registry._deny(Reason.UNSUPPORTED_ARCHITECTURE,
                            f"attention layer {prefix!r} ({type(module).__qualname__}) is not "
                            "owned by a Qwen3 attention module")
+        if (kernel := unproven_fp8_kernel(module)) is not None:
+            registry._deny(Reason.FP8_UNPROVEN_KERNELS, f"{prefix!r} runs {kernel}")
     return registry
