@@ -18,39 +18,8 @@ import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from benchmarks.harness.shapes import BLOCK, fp8_block_config, moe_layers  # noqa: F401
 from tests.gpu_util import quantize_blocks
-
-BLOCK = [128, 128]
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": BLOCK}
-
-
-def moe_layers(hf: Mapping[str, Any]) -> set[int]:
-    """The layers whose MLP is sparse (Qwen3MoeDecoderLayer's rule)."""
-    n = int(hf["num_hidden_layers"])
-    if not hf.get("num_experts"):
-        return set()
-    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
-    return {i for i in range(n) if i not in dense and (i + 1) % step == 0}
-
-
-def fp8_block_config(hf: Mapping[str, Any]) -> dict:
-    """`hf` with the block FP8 quantization_config; ValueError when a quantized dimension is not
-    a multiple of 128."""
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    dims = {"hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
-            "q heads x head_dim": hf["num_attention_heads"] * head_dim,
-            "kv heads x head_dim": hf["num_key_value_heads"] * head_dim}
-    if hf.get("num_experts"):
-        dims["moe_intermediate_size"] = hf["moe_intermediate_size"]
-    odd = {k: v for k, v in dims.items() if int(v) % BLOCK[0]}
-    if odd:
-        raise ValueError(f"block FP8 needs multiples of {BLOCK[0]}; got {odd}")
-    ignore = ([] if hf.get("tie_word_embeddings") else ["lm_head"]) + [
-        f"model.layers.{i}.mlp.gate" for i in sorted(moe_layers(hf))]
-    return {**hf, "torch_dtype": "bfloat16",
-            "quantization_config": {**QUANTIZATION_CONFIG, "modules_to_not_convert": ignore}}
-
 
 def checkpoint_tensors(hf: Mapping[str, Any]) -> Iterator[tuple[str, tuple[int, ...], bool]]:
     """(name, shape, quantized) of every tensor a checkpoint of `hf` holds, as Hugging Face names

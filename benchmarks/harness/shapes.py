@@ -1,6 +1,8 @@
 """Model shapes and the physical floor of one decode step.
 
-The shapes are the config directories shipped in `vllm_moe_graphs/model_configs/<name>/`.
+The shapes are the config directories shipped in `vllm_moe_graphs/model_configs/<name>/`, and
+their FP8 variants as operators serve them on one H100 (`<name>-fp8`: block-quantized FP8
+weights in the form of Qwen's -FP8 releases; `<name>-fp8-kv8`: with an FP8 KV cache too).
 `decode_step_bytes` is the byte model behind the `floor_ms` column: the bytes one decode step must
 read from HBM at the least, which divided by the measured copy bandwidth gives a lower bound on the
 time per output token.
@@ -19,6 +21,82 @@ from typing import Any
 
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+FP8_VARIANTS = {"fp8": False, "fp8-kv8": True}  # suffix -> FP8 KV cache too
+FP8_BASES = ("qwen3-8b", "qwen3-30b-a3b")
+SHAPES = MODELS + tuple(f"{b}-{v}" for b in FP8_BASES for v in FP8_VARIANTS)
+BLOCK = [128, 128]
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": BLOCK}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shape:
+    """A benchmark shape: a shipped config, or its FP8 variant (module docstring)."""
+
+    name: str
+    base: str  # the shipped config it derives from
+    fp8_weights: bool = False
+    fp8_kv: bool = False
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """`vllm serve` flags every mode needs for this shape (stock on the same flags)."""
+        return ("--kv-cache-dtype", "fp8") if self.fp8_kv else ()
+
+    @property
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {"kv_cache_dtype": "fp8"} if self.fp8_kv else {}
+
+    @property
+    def unproven(self) -> str:
+        """MOE_GRAPHS_UNPROVEN a plugin mode needs to take this shape over ("": none): the FP8
+        formats no GPU proof has lifted from deny-by-default yet."""
+        from vllm_moe_graphs.capability import PROVEN_KV_CACHE_DTYPES, PROVEN_QUANTIZATION
+
+        parts = ["fp8"] if self.fp8_weights and not any(
+            q.method == "fp8" for q in PROVEN_QUANTIZATION) else []
+        if self.fp8_kv and "fp8" not in PROVEN_KV_CACHE_DTYPES:
+            parts.append("fp8_kv")
+        return ",".join(parts)
+
+
+def shape(name: str) -> Shape:
+    """The shape named `name` (one of SHAPES); ValueError naming them otherwise."""
+    if name in MODELS:
+        return Shape(name, name)
+    for suffix, kv8 in FP8_VARIANTS.items():
+        base = name.removesuffix(f"-{suffix}")
+        if base != name and base in FP8_BASES:
+            return Shape(name, base, fp8_weights=True, fp8_kv=kv8)
+    raise ValueError(f"unknown shape {name!r}; expected one of: {', '.join(SHAPES)}")
+
+
+def moe_layers(hf: dict[str, Any]) -> set[int]:
+    """The layers whose MLP is sparse (Qwen3MoeDecoderLayer's rule)."""
+    n = int(hf["num_hidden_layers"])
+    if not hf.get("num_experts"):
+        return set()
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+    return {i for i in range(n) if i not in dense and (i + 1) % step == 0}
+
+
+def fp8_block_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with the block FP8 quantization_config of Qwen's -FP8 releases (the LM head and
+    every MoE router gate left in bf16); ValueError when a quantized dimension is not a
+    multiple of 128."""
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    dims = {"hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
+            "q heads x head_dim": hf["num_attention_heads"] * head_dim,
+            "kv heads x head_dim": hf["num_key_value_heads"] * head_dim}
+    if hf.get("num_experts"):
+        dims["moe_intermediate_size"] = hf["moe_intermediate_size"]
+    odd = {k: v for k, v in dims.items() if int(v) % BLOCK[0]}
+    if odd:
+        raise ValueError(f"block FP8 needs multiples of {BLOCK[0]}; got {odd}")
+    ignore = ([] if hf.get("tie_word_embeddings") else ["lm_head"]) + [
+        f"model.layers.{i}.mlp.gate" for i in sorted(moe_layers(hf))]
+    return {**hf, "torch_dtype": "bfloat16",
+            "quantization_config": {**FP8_QUANTIZATION, "modules_to_not_convert": ignore}}
 
 
 def shipped_config_dir(name: str) -> Path:
@@ -52,15 +130,18 @@ def read_config(config_dir: str | Path) -> dict[str, Any]:
 
 
 def prepare_config_dir(name: str, num_layers: int | None, work_dir: Path) -> tuple[Path, int]:
-    """The config directory vLLM should load for `name`, and the layer count it has.
+    """The config directory vLLM should load for shape `name`, and the layer count it has.
 
     With `num_layers`, writes `<work_dir>/configs/<name>-L<n>/config.json`: the shipped config
-    with `num_hidden_layers` (and the layer-indexed fields) cut to `num_layers`."""
-    src = shipped_config_dir(name)
+    with `num_hidden_layers` (and the layer-indexed fields) cut to `num_layers`; an FP8 variant's
+    `<work_dir>/configs/<name>[-L<n>]/config.json` carries its quantization_config."""
+    s = shape(name)
+    src = shipped_config_dir(s.base)
     cfg = read_config(src)
     full = int(cfg["num_hidden_layers"])
-    if num_layers is None or num_layers == full:
+    if (num_layers is None or num_layers == full) and not s.fp8_weights:
         return src, full
+    num_layers = full if num_layers is None else num_layers
     if not 1 <= num_layers <= full:
         raise ValueError(f"--num-layers {num_layers} for {name}: expected 1..{full}")
     cfg["num_hidden_layers"] = num_layers
@@ -70,7 +151,9 @@ def prepare_config_dir(name: str, num_layers: int | None, work_dir: Path) -> tup
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
     if isinstance(cfg.get("layer_types"), list):
         cfg["layer_types"] = cfg["layer_types"][:num_layers]
-    dst = work_dir / "configs" / f"{name}-L{num_layers}"
+    if s.fp8_weights:
+        cfg = fp8_block_config(cfg)
+    dst = work_dir / "configs" / (name if num_layers == full else f"{name}-L{num_layers}")
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return dst, num_layers

@@ -40,9 +40,10 @@ def run_mode(plan: Plan, mode: ServeMode, args: argparse.Namespace, pool: Proces
         kind_workloads = [(w, rs) for w, rs in plan.workloads if w.server == server_kind]
         sargs = plan.server_args(mode, server_kind, args.server_arg, args.offload_gb)
         log = plan.work_dir / f"serve-{plan.model}-{mode.name}-{server_kind}.log"
-        server = Server(plan.model_dir, sargs, mode.env, log)
+        env = plan.server_env(mode)
+        server = Server(plan.model_dir, sargs, env, log)
         _say(t0, f"{mode.name}/{server_kind}: starting vllm serve {' '.join(sargs)}")
-        info: dict[str, Any] = {"args": sargs, "env": dict(mode.env), "log": log.name}
+        info: dict[str, Any] = {"args": sargs, "env": env, "log": log.name}
         facts[server_kind] = info
         try:
             limit = args.start_timeout_s if deadline is None else max(

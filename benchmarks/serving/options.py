@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.shapes import MODELS, prepare_config_dir, read_config
+from benchmarks.harness.shapes import SHAPES, Shape, prepare_config_dir, read_config, shape
 from benchmarks.serving.load import WORKLOADS, Workload, parse_workloads, window_requests
 from benchmarks.serving.server import DEFAULT_MODES, IDLE_CAPTURE_ESTIMATE_S, \
     OFFLOAD_READY_EXTRA_S, SERVE_MODES, ServeMode, parse_modes, plugin_settings, settings_args
@@ -45,6 +45,9 @@ DEFAULT_RATES: dict[str, dict[str, list[float]]] = {  # req/s, up to where each 
                           "moe_offload": [0.25, 0.5]},
     }.items()
 }
+# an FP8 variant (qwen3-30b-a3b-fp8, ...) offers its shipped shape's rates
+DEFAULT_RATES.update({name: DEFAULT_RATES[shape(name).base] for name in SHAPES
+                      if name not in DEFAULT_RATES})
 
 
 def _rates(text: str) -> tuple[str, list[float]]:
@@ -115,8 +118,9 @@ def parser() -> argparse.ArgumentParser:
             "needed).",
             "exit codes: 0 rows measured, 1 none, 2 usage, 3 no GPU (see --allow-cpu)."]))
     ap.add_argument("--model", default="qwen3-0.6b",
-                    help=f"shipped shape ({', '.join(MODELS)}) or a model directory with a "
-                    "config.json (default: qwen3-0.6b)")
+                    help=f"shape ({', '.join(SHAPES)}: a shipped config, or its FP8 variant "
+                    "with block FP8 weights, -kv8 with an FP8 KV cache too, every mode on the "
+                    "same flags) or a model directory with a config.json (default: qwen3-0.6b)")
     ap.add_argument("--num-layers", type=int, default=None,
                     help="cut a shipped shape to this many layers (default: all)")
     ap.add_argument("--modes", type=_csv, default=list(DEFAULT_MODES),
@@ -200,8 +204,9 @@ class Plan:
             raise ValueError(f"--settle-stall-s must be > 0, got {args.settle_stall_s}")
         self.modes: list[ServeMode] = parse_modes(args.modes)
         self.work_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serve-bench-"))
-        if args.model in MODELS:
-            self.model = args.model
+        self.shape: Shape | None = None
+        if args.model in SHAPES:
+            self.model, self.shape = args.model, shape(args.model)
             self.model_dir, self.layers = prepare_config_dir(args.model, args.num_layers,
                                                              self.work_dir)
         elif (Path(args.model) / "config.json").is_file():
@@ -210,8 +215,8 @@ class Plan:
             self.model, self.model_dir = Path(args.model).name, Path(args.model)
             self.layers = int(read_config(self.model_dir)["num_hidden_layers"])
         else:
-            raise ValueError(f"--model {args.model!r} is neither a shipped shape "
-                             f"({', '.join(MODELS)}) nor a directory with a config.json")
+            raise ValueError(f"--model {args.model!r} is neither a shape "
+                             f"({', '.join(SHAPES)}) nor a directory with a config.json")
         cfg = read_config(self.model_dir)
         self.vocab_size = int(cfg["vocab_size"])
         moe = bool(cfg.get("num_experts"))
@@ -249,11 +254,17 @@ class Plan:
                     offload_gb: float) -> list[str]:
         args = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
                 "--served-model-name", self.model, *mode.args,
+                *(self.shape.engine_args if self.shape else ()),
                 *settings_args(plugin_settings(mode, self.plugin_config))]
         if server == "moe_offload":
             args += ["--cpu-offload-gb", f"{offload_gb:g}", "--cpu-offload-params", "experts"]
         return args + extra
 
+    def server_env(self, mode: ServeMode) -> dict[str, str]:
+        """A mode's server environment: a plugin mode takes the shape's unproven FP8 formats
+        over (MOE_GRAPHS_UNPROVEN) until a GPU proof lifts them; stock runs as it is."""
+        unproven = self.shape.unproven if self.shape and mode.plugin else ""
+        return {**mode.env, **({"MOE_GRAPHS_UNPROVEN": unproven} if unproven else {})}
 
 
 def window_s(args: argparse.Namespace, rate: float) -> float:
@@ -299,8 +310,9 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
             settle = (f", then up to {args.settle_timeout_s:g} s settling its idle capture "
                       f"(~{IDLE_CAPTURE_ESTIMATE_S:.0f} s planned)" if plan.settles(mode) else "")
             sargs = " ".join(plan.server_args(mode, server, args.server_arg, args.offload_gb))
+            env = "".join(f"{k}={v} " for k, v in plan.server_env(mode).items())
             lines.append(f"  server {server}: ready in ~{ready_s(mode, server):.0f} s"
-                         f"{settle}: vllm serve {sargs}")
+                         f"{settle}: {env}vllm serve {sargs}")
             for w, rates in plan.workloads:
                 if w.server != server:
                     continue

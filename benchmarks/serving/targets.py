@@ -136,7 +136,7 @@ def coverage(doc: Mapping[str, Any]) -> list[str]:
     """What the file lacks of the serving benchmark's coverage (module doc), one line each."""
     out, model = [], doc["model"]
     needs = [(w, COVERAGE_MODES, MIN_RATES) for w in ("chat", "long")]
-    if model in MOE_MODELS:
+    if model in MOE_MODELS or any(model.startswith(f"{m}-fp8") for m in MOE_MODELS):
         needs.append(("moe_offload", (PLUGIN, AGAINST), MIN_OFFLOAD_RATES))
     for workload, modes, min_rates in needs:
         for mode in modes:

@@ -77,7 +77,7 @@ def test_without_gpu_fails_fast_with_the_reason(tmp_path):
     (["--rates", "chat:0"], "positive rates"),
     (["--modes", "stock,turbo"], "unknown mode(s) turbo"),
     (["--workloads", "moe_offload"], "needs a MoE model"),
-    (["--model", "/nonexistent"], "neither a shipped shape"),
+    (["--model", "/nonexistent"], "neither a shape"),
     (["--rates", "long:1", "--workloads", "chat"], "'long', which is not run"),
     (["--lengths", "chat:10-5:1-2"], "PMIN-PMAX"),
     (["--plugin-config", '{"warmup_steps": -1}'], "warmup_steps"),
@@ -146,3 +146,32 @@ def test_time_budget_weights_modes_by_their_cost(tmp_path):
     assert serve_options.warmup_rates(args, [8, 2, 4]) == [8]
     args.warmup_rates = "all"
     assert serve_options.warmup_rates(args, [8, 2, 4, 2]) == [2, 4, 8]
+
+
+@pytest.mark.parametrize("model,kv8,unproven", [
+    ("qwen3-30b-a3b-fp8", False, "fp8"),
+    ("qwen3-8b-fp8-kv8", True, "fp8,fp8_kv"),
+])
+def test_fp8_shapes_serve_every_mode_on_the_same_flags(tmp_path, model, kv8, unproven):
+    """An FP8 shape: the shipped config with Qwen's block FP8 quantization_config (LM head and
+    router gates in bf16), the FP8 KV cache flag for every mode, and the plugin's modes taking
+    the FP8 formats no GPU proof has lifted yet over (MOE_GRAPHS_UNPROVEN); stock as it is."""
+    args = serve_options.parser().parse_args(["--model", model, "--workloads", "chat",
+                                              "--log-dir", str(tmp_path)])
+    plan = serve_options.Plan(args)
+    cfg = json.loads((plan.model_dir / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (q["quant_method"], q["weight_block_size"]) == ("fp8", [128, 128])
+    gates = [m for m in q["modules_to_not_convert"] if m.endswith(".mlp.gate")]
+    assert "lm_head" in q["modules_to_not_convert"]
+    assert len(gates) == (48 if "30b" in model else 0) and plan.layers == cfg["num_hidden_layers"]
+    assert plan.workloads[0][1] == serve_options.DEFAULT_RATES[model.split("-fp8")[0]]["chat"]
+    for mode in ("plugin", "stock"):
+        sargs = plan.server_args(SERVE_MODES[mode], "default", [], 0.0)
+        flag = sargs[sargs.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in sargs else None
+        assert flag == ("fp8" if kv8 else None), (mode, sargs)
+    assert plan.server_env(SERVE_MODES["plugin"]) == {"MOE_GRAPHS_UNPROVEN": unproven}
+    assert plan.server_env(SERVE_MODES["stock"]) == {"VLLM_PLUGINS": ""}
+    with pytest.raises(ValueError, match="'qwen3-0.6b-fp8' is neither a shape .*qwen3-8b-fp8"):
+        serve_options.Plan(serve_options.parser().parse_args(
+            ["--model", "qwen3-0.6b-fp8", "--log-dir", str(tmp_path)]))
