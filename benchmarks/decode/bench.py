@@ -31,7 +31,7 @@ from benchmarks.harness.protocol import (
     spec_to_json,
 )
 from benchmarks.harness.sampling import GREEDY, PRESETS, parse_presets
-from benchmarks.harness.shapes import MODELS, REPO_ROOT
+from benchmarks.harness.shapes import MODELS, REPO_ROOT, SHAPES
 
 EXIT_NO_ROWS, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 
@@ -81,7 +81,7 @@ def run_parser() -> argparse.ArgumentParser:
         "--models",
         type=_str_list,
         default=list(MODELS),
-        help=f"comma-separated shapes (default: {','.join(MODELS)})",
+        help=f"comma-separated shapes of {','.join(SHAPES)} (default: {','.join(MODELS)})",
     )
     ap.add_argument(
         "--modes",
@@ -220,10 +220,10 @@ def validate_args(args: argparse.Namespace) -> None:
     """Option errors (ValueError) before anything else runs, GPU check included."""
     parse_modes(args.modes)
     parse_presets(args.sampling)
-    unknown = [m for m in args.models if m not in MODELS]
+    unknown = [m for m in args.models if m not in SHAPES]
     if unknown or not args.models:
         raise ValueError(
-            f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(MODELS)}"
+            f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SHAPES)}"
         )
     for flag, value in (("--repeats", args.repeats), ("--rounds", args.rounds),
                         ("--decode-tokens", args.decode_tokens)):

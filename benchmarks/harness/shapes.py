@@ -176,9 +176,14 @@ class ModelShape:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     dtype_bytes: int = 2  # bf16 weights and KV cache
+    linear_bytes: int = 2  # attention and MLP / expert weights: 1 for FP8 (scales left out)
+    kv_dtype_bytes: int = 2  # 1 for an FP8 KV cache
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+    def from_config(cls, cfg: dict[str, Any], fp8_kv: bool = False) -> ModelShape:
+        """The byte model of `cfg` (a block FP8 quantization_config: 1-byte linear weights)
+        with a bf16 KV cache, or an FP8 one."""
+        fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -195,6 +200,8 @@ class ModelShape:
                 moe_intermediate=int(cfg.get("moe_intermediate_size") or 0),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+                linear_bytes=1 if fp8 else 2,
+                kv_dtype_bytes=1 if fp8_kv else 2,
             )
         except KeyError as exc:
             raise ValueError(
@@ -211,7 +218,7 @@ class ModelShape:
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -232,7 +239,8 @@ def decode_step_bytes(shape: ModelShape, batch: int, context: int) -> StepBytes:
     (gate, up, down) or, for a MoE layer, the router plus the experts the batch can touch,
     min(E, B * k), each 3 * D * moe_intermediate; then the final norm, the whole LM head
     (V x D, read in full even when tied to the embedding) and the B embedding rows looked up.
-    KV: B * C * kv_bytes_per_token (the new token's write is left out). Activations are left out.
+    Projections and experts at `linear_bytes` each, the rest at `dtype_bytes`. KV: B * C *
+    kv_bytes_per_token (the new token's write is left out). Activations are left out.
     """
     if batch < 1 or context < 0:
         raise ValueError(
@@ -243,18 +251,21 @@ def decode_step_bytes(shape: ModelShape, batch: int, context: int) -> StepBytes:
     attn = d_model * q_width + 2 * d_model * kv_width + q_width * d_model  # q, k, v, o
     norms = 2 * shape.head_dim + 2 * d_model  # q_norm, k_norm, input + post-attention norms
     touched = min(shape.num_experts, batch * shape.top_k) if shape.num_experts else 0
-    params = 0
+    linear, params = 0, 0  # parameters at linear_bytes, at dtype_bytes
     for layer in range(shape.num_layers):
         if shape.is_sparse_layer(layer):
-            mlp = d_model * shape.num_experts + touched * 3 * d_model * shape.moe_intermediate
+            params += d_model * shape.num_experts  # the router
+            linear += touched * 3 * d_model * shape.moe_intermediate
         else:
-            mlp = 3 * d_model * shape.intermediate
-        params += attn + norms + mlp
+            linear += 3 * d_model * shape.intermediate
+        linear += attn
+        params += norms
     params += d_model  # final norm
     params += shape.vocab * d_model  # LM head
     params += min(batch, shape.vocab) * d_model  # embedding rows of the batch's tokens
     kv = batch * context * shape.kv_bytes_per_token()
-    return StepBytes(weights=params * shape.dtype_bytes, kv=kv, experts_touched=touched)
+    return StepBytes(weights=linear * shape.linear_bytes + params * shape.dtype_bytes, kv=kv,
+                     experts_touched=touched)
 
 
 def resident_weight_bytes(shape: ModelShape) -> int:

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.modes import MODES, Mode, common_llm_kwargs, parse_modes
+from benchmarks.harness.modes import MODES, Family, Mode, common_llm_kwargs, parse_modes
 from benchmarks.harness.protocol import READY, SLACK_STEPS, WorkerResult, WorkerSpec
 from benchmarks.harness.sampling import GREEDY, parse_presets
-from benchmarks.harness.shapes import ModelShape, prepare_config_dir, read_config, \
-    resident_weight_bytes
+from benchmarks.harness.shapes import ModelShape, Shape, prepare_config_dir, read_config, \
+    resident_weight_bytes, shape
 from benchmarks.harness.worker_process import EXITED, KILL_GRACE_S, WorkerProcess, run_worker, \
     stop_group
 
@@ -58,10 +58,18 @@ def interleave_overflow(model: str, shape: ModelShape, kv_bytes: int, engines: i
 def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:
     """KV cache bytes for `max_batch` sequences of `max_len` tokens, with headroom, rounded up
     to 256 MiB."""
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
-    need = per_token * max_batch * max_len * KV_HEADROOM
+    need = shape.kv_bytes_per_token() * max_batch * max_len * KV_HEADROOM
     step = 256 * 2**20
     return int(-(-need // step) * step)
+
+
+def shape_env(mode: Mode, s: Shape) -> dict[str, str]:
+    """A mode's worker environment on shape `s`: plugin modes take the shape's unproven FP8
+    formats over (MOE_GRAPHS_UNPROVEN) until a GPU proof lifts them; stock runs as it is."""
+    env = mode.worker_env()
+    if mode.family is Family.PLUGIN and s.unproven:
+        env["MOE_GRAPHS_UNPROVEN"] = s.unproven
+    return env
 
 
 def plan(
@@ -75,7 +83,7 @@ def plan(
     for model in args.models:
         config_dir, layers[model] = prepare_config_dir(model, args.num_layers, work_dir)
         cfg = read_config(config_dir)
-        shapes[model] = ModelShape.from_config(cfg)
+        shapes[model] = ModelShape.from_config(cfg, fp8_kv=shape(model).fp8_kv)
         configs[model] = (config_dir, cfg)
     interleave = getattr(args, "interleave", False)
     sampling = parse_presets(getattr(args, "sampling", [GREEDY]))
@@ -92,6 +100,7 @@ def plan(
                 seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
             )
+            common.update(shape(model).llm_kwargs)  # every mode on the shape's flags
             if interleave:
                 # Every mode's engine stays up at once: a fixed KV cache each, sized for the
                 # plan, instead of a share of the GPU (vLLM's profiling accounting assumes no
@@ -107,7 +116,7 @@ def plan(
                         config_dir=str(config_dir),
                         mode=mode.name,
                         llm_kwargs=mode.llm_kwargs(common),
-                        env=mode.worker_env(),
+                        env=shape_env(mode, shape(model)),
                         batches=args.batches,
                         contexts=args.contexts,
                         repeats=args.repeats,

@@ -103,3 +103,17 @@ def test_floor_ms_and_layer_override(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected 1..48"):
         prepare_config_dir("qwen3-30b-a3b", 49, tmp_path)
     assert prepare_config_dir("qwen3-8b", None, tmp_path) == (shipped_config_dir("qwen3-8b"), 36)
+
+
+def test_floor_bytes_of_an_fp8_shape(tmp_path: Path) -> None:
+    """Block FP8: the projections and experts at one byte a weight (the block scales, 1/16384
+    of them, left out), embeddings, norms, router and LM head still bf16; -kv8: a 1-byte KV."""
+    bf16 = _shape("qwen3-30b-a3b")
+    config_dir, _ = prepare_config_dir("qwen3-30b-a3b-fp8-kv8", None, tmp_path)
+    fp8 = ModelShape.from_config(read_config(config_dir), fp8_kv=True)
+    assert (fp8.linear_bytes, fp8.kv_dtype_bytes) == (1, 1)
+    assert fp8.kv_bytes_per_token() * 2 == bf16.kv_bytes_per_token()
+    b1, b1_fp8 = decode_step_bytes(bf16, 1, 512), decode_step_bytes(fp8, 1, 512)
+    linear = 48 * (18_874_368 + 8 * 3 * 2048 * 768)  # attention + 8 experts, per the hand check
+    assert b1.weights - b1_fp8.weights == linear  # one byte less for each of them
+    assert b1_fp8.kv * 2 == b1.kv

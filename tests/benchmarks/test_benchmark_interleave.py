@@ -198,3 +198,23 @@ def test_interleaved_budget_cuts_whole_passes(
         assert done[("stock_full_decode", b)] == done[("plugin_graphs", b)]
     cut = {(s["mode"], s["batch"]): s["repeats_skipped"] for s in skipped}
     assert all(done[k] + cut[k] == 20 for k in done), (done, cut)
+
+
+def test_fp8_shapes_run_every_mode_on_the_same_flags(tmp_path: Path) -> None:
+    """A decode run on `qwen3-8b-fp8-kv8`: every mode loads the block FP8 config with an FP8
+    KV cache (its fixed cache sized at a byte a value), the plugin's modes take the unproven
+    formats over (MOE_GRAPHS_UNPROVEN), stock's do not."""
+    out = _cli("--dry-run", "--models", "qwen3-8b-fp8-kv8", "--modes",
+               "stock_full_decode,plugin_graphs", "--batches", "1,64", "--contexts", "512",
+               "--interleave", "--log-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    stock, plugin = json.loads(out.stdout)["workers"]
+    for w in (stock, plugin):
+        assert w["llm_kwargs"]["kv_cache_dtype"] == "fp8"
+        cfg = json.loads((Path(w["config_dir"]) / "config.json").read_text())
+        assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    assert plugin["env"]["MOE_GRAPHS_UNPROVEN"] == "fp8,fp8_kv"
+    assert "MOE_GRAPHS_UNPROVEN" not in stock["env"]
+    # 36 layers x 8 kv heads x 128 x 2 (K, V) x 1 byte a value
+    need = 36 * 8 * 128 * 2 * 64 * plugin["llm_kwargs"]["max_model_len"] * sweep.KV_HEADROOM
+    assert need <= plugin["llm_kwargs"]["kv_cache_memory_bytes"] < need + 256 * 2**20
