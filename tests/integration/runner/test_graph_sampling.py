@@ -197,3 +197,31 @@ def test_the_sampler_graphs_pool_is_counted_in_the_scratch_bytes():
     assert s._stats.scratch_bytes == 50 + 9 * 1000
     s.drop()
     assert s._stats.scratch_bytes == 50
+
+
+def test_a_decode_step_samples_the_logits_its_graph_wrote_in_place():
+    """Warm-up, capture and replay of a decode key with the LM head in the graph: the logits
+    vLLM's compute_logits receives are the static buffer's rows, which the sampler graph reads
+    where they are (no copy); the random rows draw among their top-k, the greedy row takes the
+    argmax; every step is counted as sampled in the graph, by kind."""
+    from tests.integration.runner.bare_runner import _in_step, _stepping_runner
+    from tests.integration.runner.test_override_steps import _ToyLM
+    from vllm_moe_graphs.integration.model.graph_logits import GraphLogits
+
+    r, capture, _ = _stepping_runner(warmup_steps=1)
+    lm = _ToyLM(hidden=1, vocab=V, padded=V + 8)  # logits rise with the token id
+    r.moe_graphs.logits = GraphLogits(lm, max_rows=4)
+    r.input_batch = input_batch([RANDOM, {"temperature": 0}, RANDOM])
+    sampler = SamplerGraphs(r.moe_graphs.logits.buffer, V, (1, 2, 4),
+                            capture_fn=CudaLikeCapture())
+    stats = r.moe_graphs.graphs.stats
+    r.moe_graphs.sampling = GraphSampling(ns(input_batch=r.input_batch, device=CPU), sampler,
+                                          stats)
+    for _ in ("warm-up", "capture", "replay"):
+        with _in_step(r, 3, [1, 1, 1]) as (_, _, out):
+            logits = lm.compute_logits(out[slice(0, 3)])
+        tokens = r._sample(logits, None).sampled_token_ids[:, 0]
+        assert tokens[1] == V - 1 and ((tokens >= V - 20) & (tokens < V)).all(), tokens
+    assert capture.captures == 1 and r.moe_graphs.logits.handed_over == 3
+    assert sampler.copied_in == 0 and sampler.captured == (4,)
+    assert stats.sampled_by_kind == {StepKind.DECODE: 3} and not stats.sampler_fallbacks_by_kind
