@@ -151,3 +151,5 @@ def test_a_buffer_without_a_fitting_bucket_is_refused():
         SamplerGraphs(torch.zeros(8, 256), V, (16, 32))
     with pytest.raises(ValueError, match="vocab"):
         SamplerGraphs(torch.zeros(8, NUM_CANDIDATES), V, BUCKETS)
+    with pytest.raises(ValueError, match=f"vocabulary of >= {NUM_CANDIDATES}"):
+        SamplerGraphs(torch.zeros(8, 256), NUM_CANDIDATES - 1, BUCKETS)

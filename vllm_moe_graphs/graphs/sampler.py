@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from vllm_moe_graphs.graphs.capture import CapturedGraph, CaptureFn, cuda_capture
-from vllm_moe_graphs.ops.sampling import SamplingTensors, sample
+from vllm_moe_graphs.ops.sampling import NUM_CANDIDATES, SamplingTensors, sample
 
 _PARAMS = 4  # temperature, top_k, top_p, min_p: one float32 row each (top_k an exact integer)
 _PADDING = (0.0, 1.0, 1.0, 0.0)  # a greedy row
@@ -43,9 +43,9 @@ class SamplerGraphs:
     def __init__(self, logits: torch.Tensor, vocab: int, buckets: Sequence[int], *,
                  capture_fn: CaptureFn | None = None) -> None:
         rows = logits.shape[0]
-        if logits.dim() != 2 or not 0 < vocab <= logits.shape[1]:
-            raise ValueError(f"logits buffer must be [rows, >= vocab {vocab}], got "
-                             f"{tuple(logits.shape)}")
+        if logits.dim() != 2 or not NUM_CANDIDATES <= vocab <= logits.shape[1]:
+            raise ValueError(f"logits buffer must be [rows, >= vocab {vocab}] with a vocabulary "
+                             f"of >= {NUM_CANDIDATES}, got {tuple(logits.shape)}")
         self.buckets = tuple(b for b in buckets if b <= rows)
         if not self.buckets:
             raise ValueError(f"no bucket of {list(buckets)} fits the buffer's {rows} rows")

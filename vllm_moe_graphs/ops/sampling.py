@@ -47,7 +47,8 @@ class SamplingTensors:
     """Per-row sampling parameters on the device, in vLLM's `InputBatch` encoding.
 
     temperature [B] float32: 0 (below SAMPLING_EPS) for a greedy row;
-    top_k [B] int32: the vocabulary size when disabled (vLLM's encoding for 0 / -1);
+    top_k [B] int32 (or float32 holding integers, as one packed parameter buffer stores it):
+        the vocabulary size when disabled (vLLM's encoding for 0 / -1);
     top_p [B] float32: 1.0 when disabled;
     min_p [B] float32: 0.0 when disabled.
     Padding rows should be greedy (temperature 0); their other values are never read as indices

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from vllm_moe_graphs.graphs.kinds import StepKind
-from vllm_moe_graphs.integration.model.graph_logits import MAX_ROWS
 from vllm_moe_graphs.graphs.sampler import SamplerGraphs
+from vllm_moe_graphs.integration.model.graph_logits import MAX_ROWS
 from vllm_moe_graphs.ops.sampling import K_CAP, SAMPLING_EPS
 from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal, servable
 
@@ -58,7 +58,11 @@ def install_graph_sampling(runner: Any, logits: GraphLogits | None,
     else:
         rows = max(b for b in buckets if b <= MAX_ROWS) if buckets[0] <= MAX_ROWS else buckets[0]
         buffer = torch.zeros(rows, vocab, dtype=runner.model_config.dtype, device=runner.device)
-    sampler = SamplerGraphs(buffer, vocab, buckets)
+    try:
+        sampler = SamplerGraphs(buffer, vocab, buckets)
+    except ValueError as exc:  # e.g. a vocabulary smaller than the candidates
+        logger.info("moe_graphs: sampling by vLLM (sample_in_graph: %s)", exc)
+        return None
     own = 0 if logits is not None else buffer.numel() * buffer.element_size()
     graphs.set_scratch_bytes(graphs.scratch_bytes + sampler.nbytes + own)
     logger.info("moe_graphs: sampling inside graphs (sample_in_graph) for batches of up to %d "
@@ -134,7 +138,7 @@ class GraphSampling:
         n = batch.num_reqs
         if logits is None or logits.dim() != 2 or logits.shape[0] != n \
                 or logits.shape[1] != self.graphs.vocab or logits.dtype != self.graphs.logits.dtype:
-            return R.LOGITS_SHAPE  # a copy into the buffer would round them
+            return R.LOGITS_SHAPE  # another dtype: a copy into the buffer would round it
         md = batch.sampling_metadata
         if md.all_greedy:
             return R.ALL_GREEDY
