@@ -39,7 +39,6 @@ class SamplingRefusal(str, enum.Enum):
     BAD_WORDS = "bad_words"
     LOGPROBS = "logprobs"  # top-n or specific-token logprobs, or a request's own logprob
     LOGITS_PROCESSORS = "logits_processors"  # a custom processor or a thinking budget
-    STRUCTURED_OUTPUT = "structured_output"  # a grammar's bitmask on the logits
     SPEC_DECODE = "spec_decode"  # vLLM's rejection sampler
     BATCH_TOO_LARGE = "batch_too_large"  # more rows than the sampler's largest bucket
     LOGITS_SHAPE = "logits_shape"  # logits not [requests, vocabulary] in the model's dtype

@@ -105,11 +105,8 @@ def test_what_the_graph_does_not_serve_is_refused_with_its_reason(name):
     assert not s._stats.sampled_by_kind and s.graphs.captured == ()
 
 
-def test_step_features_refused_before_the_batch_is_read():
+def test_speculative_decoding_and_other_logits_are_refused():
     s = sampling([RANDOM] * 3)
-    s.begin_step(ns(has_structured_output_requests=True))
-    assert s.refusal(rows(3), None) is R.STRUCTURED_OUTPUT
-    s.begin_step(ns(has_structured_output_requests=False))
     assert s.refusal(rows(3), spec_decode_metadata=object()) is R.SPEC_DECODE
     assert s.refusal(rows(2), None) is R.LOGITS_SHAPE  # not one row per request
     assert s.refusal(rows(3, V + 1), None) is R.LOGITS_SHAPE
@@ -225,3 +222,29 @@ def test_a_decode_step_samples_the_logits_its_graph_wrote_in_place():
     assert capture.captures == 1 and r.moe_graphs.logits.handed_over == 3
     assert sampler.copied_in == 0 and sampler.captured == (4,)
     assert stats.sampled_by_kind == {StepKind.DECODE: 3} and not stats.sampler_fallbacks_by_kind
+
+
+@pytest.mark.parametrize("allowed", [10, 300])
+def test_a_grammars_bitmask_in_the_logits_samples_as_vllm(allowed):
+    """Structured output: vLLM writes -inf over the disallowed tokens of the logits the sampler
+    then reads (apply_grammar_bitmask, in place, before _sample). Fewer allowed tokens than
+    top-k (10 < 20) or many more (300): the same distribution as vLLM's sampler on those
+    logits, nothing disallowed drawn."""
+    params = [QWEN3] * 48
+    s = sampling(params)
+    g = torch.Generator().manual_seed(allowed)
+    ok = torch.zeros(V, dtype=torch.bool)
+    ok[torch.randperm(V, generator=g)[:allowed]] = True
+    masked = make_logits(seed=5, vocab=V).masked_fill(~ok, float("-inf"))
+    logits = masked.expand(48, -1).contiguous()
+    counts = torch.zeros(V, dtype=torch.long)
+    torch.manual_seed(1)
+    for _ in range(200):
+        counts += torch.bincount(s.sample(logits, None).sampled_token_ids[:, 0].long(),
+                                 minlength=V)
+    assert not counts[~ok].any(), "a disallowed token was drawn"
+    assert s.graphs.inexact_rows == 0
+    ref = vllm_sample(masked[None].float(), [QWEN3["temperature"]], [QWEN3["top_k"]],
+                      [QWEN3["top_p"]], [0.0])[1][0]
+    stat, df, p = chi_square_same(counts, vllm_draws(ref, int(counts.sum())))
+    assert p > P_MIN, f"chi2 {stat:.1f} on {df} df, p {p:.4f}"

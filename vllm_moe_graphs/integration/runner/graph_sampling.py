@@ -3,7 +3,7 @@
 
 vLLM's V1 runner samples in `sample_tokens`, after `execute_model`:
 
-    apply_grammar_bitmask(...)                  # structured output only
+    apply_grammar_bitmask(..., logits)          # structured output: -inf in place, first
     sampler_output = self._sample(logits, spec_decode_metadata)
         -> self.sampler(logits, input_batch.sampling_metadata)   # ~15 launches, eager
 
@@ -13,10 +13,12 @@ parameters, replays the sampler graph of the batch's bucket over the step's logi
 graph's LM head output in place; other steps' logits are copied in) and returns vLLM's
 `SamplerOutput` with the sampled tokens. Anything else returns None, counted under a
 `SamplingRefusal`: vLLM's sampler runs, as without the setting. Served: random rows with top-k
-1..128 (and top-p, min-p, temperature), greedy rows beside them, no per-request seed, no
-logprobs, penalties, logit bias, min-tokens, allowed or bad words, custom logits processors,
-thinking budget, structured output or speculative decoding (`ops/sampling_plan.py`). A batch of
-greedy rows only keeps vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
+1..128 (and top-p, min-p, temperature), greedy rows beside them, structured output (its bitmask
+is already in the logits the graph reads: a disallowed token's -inf logit has probability 0 in
+the candidates as in vLLM's vocabulary-wide pass), no per-request seed, no logprobs,
+penalties, logit bias, min-tokens, allowed or bad words, custom logits processors, thinking
+budget or speculative decoding (`ops/sampling_plan.py`). A batch of greedy rows only keeps
+vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ class GraphSampling:
         self.graphs = graphs
         self._stats = stats
         self._kill = kill_switch
-        self._structured = False  # this step's scheduler output has structured-output requests
         self.kind = StepKind.DECODE  # the kind of the step whose logits come next (metrics)
         self._failed: str | None = None  # a capture or replay raised: vLLM samples from then on
         self._pool_counted = 0  # the sampler graphs' pool bytes in the stats' scratch bytes
@@ -98,11 +99,6 @@ class GraphSampling:
         now = self.graphs.pool_bytes
         self._stats.scratch_bytes += now - self._pool_counted
         self._pool_counted = now
-
-    def begin_step(self, scheduler_output: Any) -> None:
-        """`execute_model`: what `_sample` needs of the scheduler output (gone by then)."""
-        self._structured = bool(getattr(scheduler_output, "has_structured_output_requests",
-                                        False))
 
     def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         """vLLM's `SamplerOutput` from the sampler graph, or None: vLLM's sampler runs."""
@@ -142,8 +138,6 @@ class GraphSampling:
         md = batch.sampling_metadata
         if md.all_greedy:
             return R.ALL_GREEDY
-        if self._structured:
-            return R.STRUCTURED_OUTPUT
         if (why := _batch_features(md)) is not None:
             return why
         if n > self.graphs.max_rows:

@@ -8,7 +8,7 @@ inputs, in-graph logits and sampler graphs, and the start-up work (kernel warm-u
     lifecycle.register(model)                           # load_model: classify, install kernels
     lifecycle.bind(Phase.SERVING); lifecycle.start()    # initialize_kv_cache (serving)
     lifecycle.unbind(why) / revalidate(event) / drop_graphs(event) / rebind(why)
-    lifecycle.begin_step(out) ... end_step()            # execute_model (or `with step()`)
+    lifecycle.begin_step() ... end_step()               # execute_model (or `with step()`)
         lifecycle.prepare_inputs(...)                   #   _prepare_inputs (pure decode)
         rows = lifecycle.plan(...)                      #   _determine_batch_execution_and_padding
         lifecycle.builds_metadata()                     #   _build_attention_metadata
@@ -233,12 +233,10 @@ class GraphLifecycle:
             self._recorder.publish(self.graphs.stats)
 
     # -- one engine step -------------------------------------------------------------------------
-    def begin_step(self, scheduler_output: Any = None) -> StepScope:
+    def begin_step(self) -> StepScope:
         """Open the scope of one `execute_model`: outside it (vLLM's profile and warm-up dummy
         runs) nothing is planned, padded or graphed. Close it with `end_step`."""
         self._step = StepScope()
-        if self.sampling is not None:
-            self.sampling.begin_step(scheduler_output)
         return self._step
 
     def end_step(self) -> None:

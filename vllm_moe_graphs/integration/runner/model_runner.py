@@ -174,7 +174,7 @@ class MoeGraphsModelRunner(GPUModelRunner):
     # -- per step --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput,
                       intermediate_tensors: IntermediateTensors | None = None) -> Any:
-        self.moe_graphs.begin_step(scheduler_output)
+        self.moe_graphs.begin_step()
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
