@@ -292,6 +292,15 @@ def test_doctor_says_when_graphs_are_captured(capsys):
         "graphs are captured: all at start-up (precapture)"]
 
 
+def test_doctor_says_who_samples(capsys):
+    code, out = _run(capsys, "qwen3-0.6b")
+    assert "sampling: vLLM's sampler after each step" in out and "sample_in_graph" in out
+    code, out = _run(capsys, "qwen3-0.6b", "--additional-config",
+                     '{"moe_graphs": {"sample_in_graph": true}}')
+    line = next(ln for ln in out.splitlines() if ln.startswith("sampling:"))
+    assert "from CUDA graphs (sample_in_graph)" in line and "seeds, logprobs" in line, line
+
+
 @pytest.mark.parametrize("section,problem,kernel", [
     ({}, None, "FlashAttention 3 (prefill_attention auto)"),
     ({"prefill_attention": "flash_attn"}, None, "FlashAttention 3 (prefill_attention flash_attn)"),

@@ -163,6 +163,19 @@ def capture_lines(cfg: PluginConfig) -> list[str]:
     return [f"graphs are captured: {when}"]
 
 
+def sampling_lines(cfg: PluginConfig) -> list[str]:
+    """Who samples a step's tokens under plugin config `cfg`."""
+    if not cfg.sample_in_graph:
+        return ["sampling: vLLM's sampler after each step, every parameter as in stock vLLM "
+                "(\"sample_in_graph\": true samples batches of up to 64 requests from CUDA "
+                "graphs; off until measured on a GPU)"]
+    return ["sampling: batches of up to 64 requests whose random rows use top-k 1..128 "
+            "(temperature, top-p, min-p, structured output beside it) from CUDA graphs "
+            "(sample_in_graph); seeds, logprobs, penalties, logit bias, min-tokens, allowed / "
+            "bad words and larger batches by vLLM's sampler (moe_graphs_sampler_fallbacks_total "
+            "says why)"]
+
+
 def moe_padding_lines(cfg: PluginConfig, num_experts: int | None) -> list[str]:
     """Whether the padding rows of padded steps will skip the MoE experts under plugin config
     `cfg` (none for a dense model, `num_experts` None)."""
@@ -265,7 +278,7 @@ def report_for(argv: list[str]) -> tuple[str, DecodeGraphCapability, list[str], 
     engine_args = EngineArgs(model=model, **kwargs)
     max_model_len = _max_model_len(args.max_model_len, hf, args.disable_sliding_window)
     steps = (prefill + context_lines(cfg, max_model_len) + capture_lines(cfg)
-             + moe_padding_lines(cfg, hf.get("num_experts"))
+             + moe_padding_lines(cfg, hf.get("num_experts")) + sampling_lines(cfg)
              + memory_lines(cfg, args.gpu_memory_utilization, args.kv_cache_memory_bytes,
                             vllm_sets_aside_graph_memory()))
     facts = facts_from_engine_args(engine_args, hf)
