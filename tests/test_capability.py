@@ -179,6 +179,18 @@ def test_every_reason_documented():
     assert not missing, f"docs/capability.md lacks {missing}"
 
 
+def test_every_sampler_fallback_documented():
+    import pathlib
+
+    from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "capability.md").read_text()
+    section = doc[doc.index("## Sampler fallbacks"):]
+    missing = [r.value for r in SamplingRefusal
+               if r is not SamplingRefusal.SERVABLE and f"`{r.value}`" not in section]
+    assert not missing, f"docs/capability.md's sampler fallbacks lack {missing}"
+
+
 @pytest.mark.parametrize("change,unproven,taken", [
     (dict(kv_cache_dtype="fp8"), {"fp8_kv"}, ["an FP8 KV cache (kv_cache_dtype fp8)"]),
     (dict(kv_cache_dtype="fp8_e4m3"), {"fp8_kv", "fp8"},
