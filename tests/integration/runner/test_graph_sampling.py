@@ -124,6 +124,17 @@ def test_the_kill_switch_and_a_failed_graph_leave_sampling_to_vllm(tmp_path):
     assert s.refusal(rows(2), None) is R.SAMPLER_FAILED  # for the engine's life
 
 
+def test_a_failed_start_up_capture_leaves_sampling_to_vllm_and_starts():
+    class Failing(CudaLikeCapture):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    s = sampling([RANDOM] * 2)
+    s.graphs._capture_fn = Failing()
+    s.capture_all()  # no exception: the engine starts
+    assert s.refusal(rows(2), None) is R.SAMPLER_FAILED
+
+
 def test_a_batch_past_the_largest_bucket_is_vllms():
     s = sampling([RANDOM] * 9)
     s.graphs.buckets = (1, 2, 4, 8)

@@ -86,9 +86,17 @@ class GraphSampling:
         self._pool_counted = 0  # the sampler graphs' pool bytes in the stats' scratch bytes
 
     def capture_all(self) -> None:
-        """Start-up: capture every bucket's graph, so no serving step waits for one."""
-        self.graphs.capture_all()
+        """Start-up: capture every bucket's graph, so no serving step waits for one. A failure
+        is logged and leaves sampling to vLLM (`sampler_failed`), never the start-up."""
+        try:
+            self.graphs.capture_all()
+        except Exception as exc:  # noqa: BLE001 - the engine starts either way
+            self._fail(exc)
         self._count_pool()
+
+    def _fail(self, exc: Exception) -> None:
+        self._failed = f"{type(exc).__name__}: {exc}"
+        logger.exception("moe_graphs: a sampler graph failed; vLLM samples from now on")
 
     def drop(self) -> None:
         """Drop the graphs (wake-up, reload, close); the next use recaptures."""
@@ -113,8 +121,7 @@ class GraphSampling:
         try:
             tokens = self.graphs.run(logits)
         except Exception as exc:  # noqa: BLE001 - a capture failure must not fail the step
-            self._failed = f"{type(exc).__name__}: {exc}"
-            logger.exception("moe_graphs: the sampler graph failed; vLLM samples from now on")
+            self._fail(exc)
             self._stats.sampler_fallback(R.SAMPLER_FAILED, self.kind)
             return None
         self._stats.sampled_in_graph(self.kind, self.graphs.inexact_rows)
