@@ -25,7 +25,7 @@ as of the last step's copy, without a sync. No vLLM import.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -124,9 +124,12 @@ class SamplerGraphs:
         self._staged = n
 
     # -- run -------------------------------------------------------------------------------------
-    def run(self, logits: torch.Tensor) -> torch.Tensor:
+    def run(self, logits: torch.Tensor,
+            mask: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
         """Sample one token per row of `logits` [n, V] with the staged parameters; returns a
-        new [n, 1] int32 tensor (vLLM's `SamplerOutput.sampled_token_ids`)."""
+        new [n, 1] int32 tensor (vLLM's `SamplerOutput.sampled_token_ids`). `mask(view)`, if
+        given, edits the buffer's rows [n, V] in place before the graph reads them (e.g. -inf
+        over stop tokens: exact in any dtype)."""
         n = logits.shape[0]
         if n != self._staged or logits.dim() != 2 or logits.shape[1] != self.vocab:
             raise ValueError(f"logits {tuple(logits.shape)} do not match the {self._staged} "
@@ -135,6 +138,8 @@ class SamplerGraphs:
         if not _leading_rows(logits, self.logits):
             self.logits[:n, :self.vocab].copy_(logits)
             self.copied_in += 1
+        if mask is not None:
+            mask(self.logits[:n, :self.vocab])
         graph = self._graphs.get(bucket)
         if graph is None:
             graph = self._graphs[bucket] = self._capture(bucket)

@@ -89,7 +89,6 @@ REFUSED = {
     "top-k 200": ([{**RANDOM, "top_k": 200}], R.TOP_K_TOO_LARGE),
     "penalties": ([{**RANDOM, "repetition_penalty": 1.2}], R.PENALTIES),
     "logit bias": ([RANDOM, {"temperature": 0, "logit_bias": {5: 2.0}}], R.LOGIT_BIAS),
-    "min tokens": ([{**RANDOM, "min_tokens": 4}], R.MIN_TOKENS),
     "logprobs": ([{**RANDOM, "logprobs": 0}], R.LOGPROBS),
     "allowed token ids": ([{**RANDOM, "allowed_token_ids": [1, 2, 3]}], R.ALLOWED_TOKEN_IDS),
 }
@@ -259,3 +258,33 @@ def test_a_grammars_bitmask_in_the_logits_samples_as_vllm(allowed):
                       [QWEN3["top_p"]], [0.0])[1][0]
     stat, df, p = chi_square_same(counts, vllm_draws(ref, int(counts.sum())))
     assert p > P_MIN, f"chi2 {stat:.1f} on {df} df, p {p:.4f}"
+
+
+def test_min_tokens_masks_the_stop_tokens_of_rows_short_of_it():
+    """Row 0 is short of its min_tokens: vLLM's processor writes -inf over its stop tokens (the
+    two largest logits here) into the buffer before the replay, so it never draws them; row 1,
+    without min_tokens, draws them most of the time. The serving benchmark's requests
+    (min_tokens = max_tokens with ignore_eos: no stop token) mask nothing."""
+    stops = [7, 9]
+    s = sampling([{**QWEN3, "min_tokens": 4, "stop_token_ids": stops},
+                  {**QWEN3, "stop_token_ids": stops}])
+    x = rows(2).float()
+    x[:, stops] = x.max() + 2.0  # the two likeliest tokens
+    logits = x.to(torch.bfloat16)
+    drawn = [[], []]
+    for _ in range(50):
+        out = s.sample(logits.clone(), None).sampled_token_ids[:, 0]
+        drawn[0].append(int(out[0]))
+        drawn[1].append(int(out[1]))
+    assert not set(drawn[0]) & set(stops), drawn[0]
+    assert sum(t in stops for t in drawn[1]) > 25, drawn[1]
+    assert s._stats.sampled_by_kind == {StepKind.DECODE: 50}
+    bench = sampling([{**QWEN3, "max_tokens": 64, "min_tokens": 64, "ignore_eos": True}] * 2)
+    md = bench._runner.input_batch.sampling_metadata
+    from vllm_moe_graphs.integration.runner.graph_sampling import _stop_token_mask
+
+    tracked = [p.min_toks for p in md.logitsprocs.non_argmax_invariant
+               if getattr(p, "min_toks", None)]
+    assert tracked and all(not stops for _, _, stops in tracked[0].values()), tracked
+    assert _stop_token_mask(md) is None  # the processor tracks the rows, with no stop token
+    assert bench.refusal(rows(2), None) is R.SERVABLE

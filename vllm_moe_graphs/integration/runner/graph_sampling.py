@@ -15,10 +15,11 @@ graph's LM head output in place; other steps' logits are copied in) and returns 
 `SamplingRefusal`: vLLM's sampler runs, as without the setting. Served: random rows with top-k
 1..128 (and top-p, min-p, temperature), greedy rows beside them, structured output (its bitmask
 is already in the logits the graph reads: a disallowed token's -inf logit has probability 0 in
-the candidates as in vLLM's vocabulary-wide pass), no per-request seed, no logprobs,
-penalties, logit bias, min-tokens, allowed or bad words, custom logits processors, thinking
-budget or speculative decoding (`ops/sampling_plan.py`). A batch of greedy rows only keeps
-vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
+the candidates as in vLLM's vocabulary-wide pass), min-tokens (vLLM's own processor writes -inf
+over the stop tokens of the rows still short of it into the buffer, one launch, before the
+replay); not: a per-request seed, logprobs, penalties, logit bias, allowed or bad words, custom
+logits processors, a thinking budget or speculative decoding (`ops/sampling_plan.py`). A batch
+of greedy rows only keeps vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ class GraphSampling:
         from vllm.v1.outputs import SamplerOutput
 
         # as vLLM's _sample: a no-op unless some request needs its output tokens on the host
-        self._runner.input_batch.update_async_output_token_ids()
+        batch = self._runner.input_batch
+        batch.update_async_output_token_ids()
         try:
-            tokens = self.graphs.run(logits)
+            tokens = self.graphs.run(logits, _stop_token_mask(batch.sampling_metadata))
         except Exception as exc:  # noqa: BLE001 - a capture failure must not fail the step
             self._fail(exc)
             self._stats.sampler_fallback(R.SAMPLER_FAILED, self.kind)
@@ -184,15 +186,31 @@ def _batch_features(md: Any) -> SamplingRefusal | None:
         return R.LOGITS_PROCESSORS
     for proc in md.logitsprocs.non_argmax_invariant:
         if type(proc) is LogitBiasLogitsProcessor:
-            if proc.biases:
+            if proc.biases:  # added in float32 by vLLM: the buffer's dtype would round it
                 return R.LOGIT_BIAS
-        elif type(proc) is MinTokensLogitsProcessor:
-            if proc.min_toks:
-                return R.MIN_TOKENS
-        else:
+        elif type(proc) is not MinTokensLogitsProcessor:  # min-tokens: `_stop_token_mask`
             return R.LOGITS_PROCESSORS
     if any(type(proc) is not MinPLogitsProcessor for proc in md.logitsprocs.argmax_invariant):
         return R.LOGITS_PROCESSORS
+    return None
+
+
+def _stop_token_mask(md: Any) -> Any:
+    """vLLM's min-tokens processor as a mask of the logits buffer's rows (its -inf over the stop
+    tokens of rows still short of their min_tokens, by batch row: the buffer's rows), or None
+    when it masks nothing (no such row, or rows without stop tokens, e.g. `ignore_eos`)."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if type(proc) is MinTokensLogitsProcessor and proc.min_toks \
+                and proc.logits_slice[0].numel():
+            rows_tokens = proc.logits_slice  # ([k] rows, [k] token ids), on the device
+
+            def mask(view: torch.Tensor) -> None:
+                # NOTE: not proc.apply: its -inf is float32, vLLM's logits are by then
+                view[rows_tokens] = float("-inf")
+
+            return mask
     return None
 
 
