@@ -169,7 +169,7 @@ def sampling_lines(cfg: PluginConfig) -> list[str]:
         return ["sampling: vLLM's sampler after each step, every parameter as in stock vLLM "
                 "(\"sample_in_graph\": true samples batches of up to 64 requests from CUDA "
                 "graphs; off until measured on a GPU)"]
-    return ["sampling: batches of up to 64 requests whose random rows use top-k 1..128 "
+    return ["sampling: batches of up to 64 requests whose random rows use top-k 1..64 "
             "(temperature, top-p, min-p, min-tokens, structured output beside it) from CUDA "
             "graphs (sample_in_graph); seeds, logprobs, penalties, logit bias, allowed / bad "
             "words and larger batches by vLLM's sampler (moe_graphs_sampler_fallbacks_total "

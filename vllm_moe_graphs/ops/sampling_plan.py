@@ -17,7 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moe_graphs.ops.sampling import K_CAP, SAMPLING_EPS
+from vllm_moe_graphs.ops.sampling import NUM_CANDIDATES, SAMPLING_EPS
+
+# The largest top_k served: half the candidates, so that a tie at the k-th largest logit spills
+# past them (an inexact row) only with more than NUM_CANDIDATES - 64 = 65 tokens tied there.
+# With 128 (the op's limit) a realistic bf16 row of Qwen3's vocabulary spilled in 26 of 30
+# seeds (tests/ops/sampling_ref.make_logits), at 100 and below in none. Qwen3's advised 20 and
+# the usual 40 / 50 are served.
+MAX_SERVED_TOP_K = 64
+assert MAX_SERVED_TOP_K < NUM_CANDIDATES
 
 
 class SamplingRefusal(str, enum.Enum):
@@ -29,7 +37,7 @@ class SamplingRefusal(str, enum.Enum):
     SERVABLE = "servable"
     SEEDED = "seeded"  # a per-request generator: vLLM draws its noise row by row
     TOP_K_DISABLED = "top_k_disabled"  # a random row sampling beyond the candidates
-    TOP_K_TOO_LARGE = "top_k_too_large"  # above K_CAP
+    TOP_K_TOO_LARGE = "top_k_too_large"  # above MAX_SERVED_TOP_K
     INVALID_PARAMETER = "invalid_parameter"  # outside what SamplingParams validates
     ALL_GREEDY = "all_greedy"  # vLLM's argmax: a few launches, nothing to gain
     PENALTIES = "penalties"  # repetition / presence / frequency: read the output history
@@ -74,8 +82,9 @@ def servable(
     0.0 when disabled; `seeded_rows`: the keys of `SamplingMetadata.generators`).
 
     Greedy rows are always served. A random row is served when its top_k is enabled and at
-    most K_CAP (top-p and min-p then act on the top-k candidates only); top-p or min-p alone,
-    or plain sampling over the vocabulary, could keep more tokens than the op looks at.
+    most MAX_SERVED_TOP_K (top-p and min-p then act on the top-k candidates only); top-p or
+    min-p alone, or plain sampling over the vocabulary, could keep more tokens than the op
+    looks at.
     Raises ValueError when the lengths differ."""
     temps, ks, ps, mins = (_floats(t) for t in (temperature, top_k, top_p, min_p))
     if not len(temps) == len(ks) == len(ps) == len(mins):
@@ -101,8 +110,8 @@ def servable(
         if k <= 0 or k >= vocab_size:
             return Servability(SamplingRefusal.TOP_K_DISABLED, row,
                                f"row {row} samples without top-k (top_k {k}, vocabulary "
-                               f"{vocab_size}): top_k 1..{K_CAP} is served")
-        if k > K_CAP:
+                               f"{vocab_size}): top_k 1..{MAX_SERVED_TOP_K} is served")
+        if k > MAX_SERVED_TOP_K:
             return Servability(SamplingRefusal.TOP_K_TOO_LARGE, row,
-                               f"row {row}: top_k {k} > {K_CAP} (K_CAP), the most served")
+                               f"row {row}: top_k {k} > {MAX_SERVED_TOP_K}, the most served")
     return Servability(SamplingRefusal.SERVABLE)

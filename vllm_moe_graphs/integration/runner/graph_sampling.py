@@ -13,7 +13,7 @@ parameters, replays the sampler graph of the batch's bucket over the step's logi
 graph's LM head output in place; other steps' logits are copied in) and returns vLLM's
 `SamplerOutput` with the sampled tokens. Anything else returns None, counted under a
 `SamplingRefusal`: vLLM's sampler runs, as without the setting. Served: random rows with top-k
-1..128 (and top-p, min-p, temperature), greedy rows beside them, structured output (its bitmask
+1..64 (and top-p, min-p, temperature), greedy rows beside them, structured output (its bitmask
 is already in the logits the graph reads: a disallowed token's -inf logit has probability 0 in
 the candidates as in vLLM's vocabulary-wide pass), min-tokens (vLLM's own processor writes -inf
 over the stop tokens of the rows still short of it into the buffer, one launch, before the
@@ -33,8 +33,8 @@ import torch
 from vllm_moe_graphs.graphs.kinds import StepKind
 from vllm_moe_graphs.graphs.sampler import SamplerGraphs
 from vllm_moe_graphs.integration.model.graph_logits import MAX_ROWS
-from vllm_moe_graphs.ops.sampling import K_CAP, SAMPLING_EPS
-from vllm_moe_graphs.ops.sampling_plan import SamplingRefusal, servable
+from vllm_moe_graphs.ops.sampling import SAMPLING_EPS
+from vllm_moe_graphs.ops.sampling_plan import MAX_SERVED_TOP_K, SamplingRefusal, servable
 
 if TYPE_CHECKING:
     from vllm_moe_graphs.graphs.runner import DecodeGraphRunner
@@ -223,8 +223,8 @@ def _min_p(logitsprocs: Any) -> np.ndarray | None:
 
 
 def _plainly_servable(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:
-    """The common case in one vectorised pass: every random row has top-k 1..K_CAP and a
+    """The common case in one vectorised pass: every random row has top-k 1..MAX_SERVED_TOP_K and a
     finite temperature (top-p and min-p in range are SamplingParams' own validation)."""
     random = temperature >= SAMPLING_EPS
     k = top_k[random]
-    return bool(np.isfinite(temperature).all() and ((k >= 1) & (k <= min(K_CAP, vocab - 1))).all())
+    return bool(np.isfinite(temperature).all() and ((k >= 1) & (k <= min(MAX_SERVED_TOP_K, vocab - 1))).all())
