@@ -4,8 +4,9 @@ Runs on the CPU copies of the parameters (vLLM's `InputBatch.*_cpu_tensor[:n]`),
 captured region, before the step is planned; the answer is data, a frozen `Servability` with a
 `SamplingRefusal` from a fixed set, the first refused row and a sentence for the log. Only the
 parameters the op reads are judged here: a batch with penalties, logit bias, allowed or bad
-words, min-tokens (unless the caller masks the logits first), custom logits processors, a logprobs mode other than `raw_logprobs` or
-top-n logprobs is the caller's to refuse before asking.
+words, min-tokens (unless the caller masks the logits first), custom logits processors, a
+logprobs mode other than `raw_logprobs` or top-n logprobs is the caller's to refuse before
+asking.
 """
 
 from __future__ import annotations

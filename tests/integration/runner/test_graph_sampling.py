@@ -76,7 +76,8 @@ def input_batch(params: list, max_reqs: int = 64):
 
 def sampling(params: list, kill: KillSwitch | None = None, max_rows: int = 64):
     buffer = torch.zeros(max_rows, V + 24, dtype=torch.bfloat16)
-    graphs = SamplerGraphs(buffer, V, (1, 2, 4, 8, 16, 24, 32, 48, 64), capture_fn=CudaLikeCapture())
+    graphs = SamplerGraphs(buffer, V, (1, 2, 4, 8, 16, 24, 32, 48, 64),
+                           capture_fn=CudaLikeCapture())
     runner = ns(input_batch=input_batch(params), device=CPU)
     return GraphSampling(runner, graphs, GraphStats(), kill)
 

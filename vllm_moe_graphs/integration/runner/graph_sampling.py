@@ -223,8 +223,8 @@ def _min_p(logitsprocs: Any) -> np.ndarray | None:
 
 
 def _plainly_servable(temperature: np.ndarray, top_k: np.ndarray, vocab: int) -> bool:
-    """The common case in one vectorised pass: every random row has top-k 1..MAX_SERVED_TOP_K and a
-    finite temperature (top-p and min-p in range are SamplingParams' own validation)."""
-    random = temperature >= SAMPLING_EPS
-    k = top_k[random]
-    return bool(np.isfinite(temperature).all() and ((k >= 1) & (k <= min(MAX_SERVED_TOP_K, vocab - 1))).all())
+    """The common case in one vectorised pass: every random row has top-k 1..MAX_SERVED_TOP_K
+    and a finite temperature (top-p and min-p in range are SamplingParams' own validation)."""
+    k = top_k[temperature >= SAMPLING_EPS]  # the random rows'
+    top = min(MAX_SERVED_TOP_K, vocab - 1)
+    return bool(np.isfinite(temperature).all() and ((k >= 1) & (k <= top)).all())
