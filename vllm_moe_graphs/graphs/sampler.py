@@ -4,12 +4,12 @@ Shapes: R = the largest bucket (rows of the static buffers), V = vocabulary, n =
 
     sampler = SamplerGraphs(logits_buffer, vocab, buckets)   # [R, >= V] static logits
     sampler.stage(temperature, top_k, top_p, min_p)          # host arrays [n]: one H2D copy
-    token_ids = sampler.run(logits)                          # [n, 1] int32, a fresh tensor
+    token_ids = sampler.run(logits, mask)                    # [n, 1] int32, a fresh tensor
 
 Plan / run: `stage` writes the rows' parameters into a pinned host slot (rows n.. greedy
 padding) and copies the slot to the device in one non-blocking copy; `run` copies the logits
 into the static buffer unless they already are its leading rows (the decode graph's LM head
-writes them there), replays the bucket's graph (captured on first use, after one eager run)
+writes them there), lets `mask` edit those rows (a stop-token mask), replays the bucket's graph (captured on first use, after one eager run)
 and returns a copy of the sampled tokens, so vLLM's asynchronous output copy and the next
 step's replay never share memory. The pinned slots alternate and each waits for the event of
 its last copy before it is rewritten: the host may run a step ahead of the device.

@@ -170,9 +170,9 @@ class GraphLifecycle:
             self.rebind(f"KV storage changed at {event}")
 
     def drop_graphs(self, event: str) -> None:
-        """Drop every decode graph for a lifecycle event the KV identity does not show (sleep
-        discards contents at the same addresses; a reload may move weights); counted in
-        `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
+        """Drop every decode graph (and sampler graph) for a lifecycle event the KV identity does
+        not show (sleep discards contents at the same addresses; a reload may move weights);
+        counted in `moe_graphs_invalidations_total{reason="storage_identity_changed"}`."""
         if self.sampling is not None:
             self.sampling.drop()
         if self.graphs is None or self.graphs.closed:
