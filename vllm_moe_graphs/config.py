@@ -89,9 +89,9 @@ class PluginConfig:
     logits_in_graph: bool = True
     # Sampling from CUDA graphs of the plugin's (integration/runner/graph_sampling.py): after a
     # step of up to 64 requests, a graph per batch bucket draws the tokens when every random
-    # row uses top-k 1..64 (with any temperature, top-p, min-p, min-tokens, structured
-    # output) and no request asks for a seed, logprobs, penalties, logit bias or allowed / bad
-    # words; any other batch runs vLLM's sampler, counted by reason. Off until measured on a
+    # row uses top-k 1..64 (with any temperature, top-p, min-p, min-tokens, allowed / bad
+    # words, structured output) and no request asks for a seed, logprobs, penalties or logit
+    # bias; any other batch runs vLLM's sampler, counted by reason. Off until measured on a
     # GPU.
     sample_in_graph: bool = False
     # Steps that carry prefill tokens (prefill, chunked prefill, mixed) replayed from graphs

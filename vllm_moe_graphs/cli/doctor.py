@@ -170,9 +170,9 @@ def sampling_lines(cfg: PluginConfig) -> list[str]:
                 "(\"sample_in_graph\": true samples batches of up to 64 requests from CUDA "
                 "graphs; off until measured on a GPU)"]
     return ["sampling: batches of up to 64 requests whose random rows use top-k 1..64 "
-            "(temperature, top-p, min-p, min-tokens, structured output beside it) from CUDA "
-            "graphs (sample_in_graph); seeds, logprobs, penalties, logit bias, allowed / bad "
-            "words and larger batches by vLLM's sampler (moe_graphs_sampler_fallbacks_total "
+            "(temperature, top-p, min-p, min-tokens, allowed / bad words, structured output "
+            "beside it) from CUDA graphs (sample_in_graph); seeds, logprobs, penalties, logit "
+            "bias and larger batches by vLLM's sampler (moe_graphs_sampler_fallbacks_total "
             "says why)"]
 
 

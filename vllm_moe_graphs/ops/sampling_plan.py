@@ -4,9 +4,9 @@ Runs on the CPU copies of the parameters (vLLM's `InputBatch.*_cpu_tensor[:n]`),
 captured region, before the step is planned; the answer is data, a frozen `Servability` with a
 `SamplingRefusal` from a fixed set, the first refused row and a sentence for the log. Only the
 parameters the op reads are judged here: a batch with penalties, logit bias, allowed or bad
-words, min-tokens (unless the caller masks the logits first), custom logits processors, a
-logprobs mode other than `raw_logprobs` or top-n logprobs is the caller's to refuse before
-asking.
+words or min-tokens (unless the caller writes their masks into the logits first), custom
+logits processors, a logprobs mode other than `raw_logprobs` or top-n logprobs is the caller's
+to refuse before asking.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ class SamplingRefusal(str, enum.Enum):
     ALL_GREEDY = "all_greedy"  # vLLM's argmax: a few launches, nothing to gain
     PENALTIES = "penalties"  # repetition / presence / frequency: read the output history
     LOGIT_BIAS = "logit_bias"
-    ALLOWED_TOKEN_IDS = "allowed_token_ids"
-    BAD_WORDS = "bad_words"
     LOGPROBS = "logprobs"  # top-n or specific-token logprobs, or a request's own logprob
     LOGITS_PROCESSORS = "logits_processors"  # a custom processor or a thinking budget
     SPEC_DECODE = "spec_decode"  # vLLM's rejection sampler

@@ -91,7 +91,6 @@ REFUSED = {
     "penalties": ([{**RANDOM, "repetition_penalty": 1.2}], R.PENALTIES),
     "logit bias": ([RANDOM, {"temperature": 0, "logit_bias": {5: 2.0}}], R.LOGIT_BIAS),
     "logprobs": ([{**RANDOM, "logprobs": 0}], R.LOGPROBS),
-    "allowed token ids": ([{**RANDOM, "allowed_token_ids": [1, 2, 3]}], R.ALLOWED_TOKEN_IDS),
 }
 
 
@@ -282,10 +281,37 @@ def test_min_tokens_masks_the_stop_tokens_of_rows_short_of_it():
     assert s._stats.sampled_by_kind == {StepKind.DECODE: 50}
     bench = sampling([{**QWEN3, "max_tokens": 64, "min_tokens": 64, "ignore_eos": True}] * 2)
     md = bench._runner.input_batch.sampling_metadata
-    from vllm_moe_graphs.integration.runner.graph_sampling import _stop_token_mask
+    from vllm_moe_graphs.integration.runner.graph_sampling import _masks
 
     tracked = [p.min_toks for p in md.logitsprocs.non_argmax_invariant
                if getattr(p, "min_toks", None)]
     assert tracked and all(not stops for _, _, stops in tracked[0].values()), tracked
-    assert _stop_token_mask(md) is None  # the processor tracks the rows, with no stop token
+    assert _masks(md) is None  # the processor tracks the rows, with no stop token
     assert bench.refusal(rows(2), None) is R.SERVABLE
+
+
+def test_allowed_token_ids_and_bad_words_mask_the_graphs_logits():
+    """Row 0 may draw only tokens 3, 5 and 7 (allowed_token_ids); row 1 never its bad word's
+    token once the word's prefix is its last output (here a one-token bad word: always); row
+    2 is free. vLLM's own masks, written into the buffer's rows before the replay."""
+    from vllm_moe_graphs.integration.runner.graph_sampling import _masks
+
+    s = sampling([{**QWEN3, "allowed_token_ids": [3, 5, 7]},
+                  {**QWEN3, "top_k": 2}, {**QWEN3, "top_k": 2}])
+    batch = s._runner.input_batch
+    batch.bad_words_token_ids[1] = [[11]]  # what add_request keeps of a tokenized bad word
+    batch.refresh_metadata()
+    batch.sampling_metadata = batch._make_sampling_metadata()
+    x = rows(3).float()
+    x[:, [11, 12]] = x.max() + 3.0  # rows 1 and 2 would draw 11 or 12
+    x[0, [3, 5, 7]] = 0.0  # row 0's allowed tokens, equally likely
+    logits = x.to(torch.bfloat16)
+    drawn = [set(), set(), set()]
+    for _ in range(40):
+        out = s.sample(logits.clone(), None).sampled_token_ids[:, 0]
+        for i in range(3):
+            drawn[i].add(int(out[i]))
+    assert drawn[0] <= {3, 5, 7} and len(drawn[0]) > 1, drawn[0]
+    assert 11 not in drawn[1] and 12 in drawn[1], drawn[1]
+    assert drawn[2] == {11, 12}, drawn[2]
+    assert _masks(sampling([QWEN3])._runner.input_batch.sampling_metadata) is None

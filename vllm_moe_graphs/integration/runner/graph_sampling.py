@@ -15,11 +15,11 @@ graph's LM head output in place; other steps' logits are copied in) and returns 
 `SamplingRefusal`: vLLM's sampler runs, as without the setting. Served: random rows with top-k
 1..64 (and top-p, min-p, temperature), greedy rows beside them, structured output (its bitmask
 is already in the logits the graph reads: a disallowed token's -inf logit has probability 0 in
-the candidates as in vLLM's vocabulary-wide pass), min-tokens (vLLM's own processor writes -inf
-over the stop tokens of the rows still short of it into the buffer, one launch, before the
-replay); not: a per-request seed, logprobs, penalties, logit bias, allowed or bad words, custom
-logits processors, a thinking budget or speculative decoding (`ops/sampling_plan.py`). A batch
-of greedy rows only keeps vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
+the candidates as in vLLM's vocabulary-wide pass), allowed token ids, bad words and min-tokens
+(their -inf masks written into the buffer's rows before the replay, a launch each); not: a
+per-request seed, logprobs, penalties, logit bias (vLLM adds it in float32), custom logits
+processors, a thinking budget or speculative decoding (`ops/sampling_plan.py`). A batch of
+greedy rows only keeps vLLM's argmax (`all_greedy`: a few launches, nothing to gain).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class GraphSampling:
         batch = self._runner.input_batch
         batch.update_async_output_token_ids()
         try:
-            tokens = self.graphs.run(logits, _stop_token_mask(batch.sampling_metadata))
+            tokens = self.graphs.run(logits, _masks(batch.sampling_metadata))
         except Exception as exc:  # noqa: BLE001 - a capture failure must not fail the step
             self._fail(exc)
             self._stats.sampler_fallback(R.SAMPLER_FAILED, self.kind)
@@ -177,10 +177,6 @@ def _batch_features(md: Any) -> SamplingRefusal | None:
         return R.LOGPROBS
     if not md.no_penalties:
         return R.PENALTIES
-    if md.allowed_token_ids_mask is not None:
-        return R.ALLOWED_TOKEN_IDS
-    if md.bad_words_token_ids:
-        return R.BAD_WORDS
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
         return R.LOGITS_PROCESSORS
@@ -188,30 +184,42 @@ def _batch_features(md: Any) -> SamplingRefusal | None:
         if type(proc) is LogitBiasLogitsProcessor:
             if proc.biases:  # added in float32 by vLLM: the buffer's dtype would round it
                 return R.LOGIT_BIAS
-        elif type(proc) is not MinTokensLogitsProcessor:  # min-tokens: `_stop_token_mask`
+        elif type(proc) is not MinTokensLogitsProcessor:  # min-tokens: `_masks`
             return R.LOGITS_PROCESSORS
     if any(type(proc) is not MinPLogitsProcessor for proc in md.logitsprocs.argmax_invariant):
         return R.LOGITS_PROCESSORS
     return None
 
 
-def _stop_token_mask(md: Any) -> Any:
-    """vLLM's min-tokens processor as a mask of the logits buffer's rows (its -inf over the stop
-    tokens of rows still short of their min_tokens, by batch row: the buffer's rows), or None
-    when it masks nothing (no such row, or rows without stop tokens, e.g. `ignore_eos`)."""
+def _masks(md: Any) -> Any:
+    """The -inf masks vLLM's sampler would write into the batch's logits before it samples, as
+    one edit of the logits buffer's rows (batch rows: the buffer's rows; -inf is exact in any
+    dtype), or None when none applies: allowed token ids (its [n, V] mask), bad words (vLLM's
+    own per-row writes, from the output tokens `_sample` brought up to date) and min-tokens
+    (-inf over the stop tokens of rows still short of it; none with `ignore_eos`)."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
 
+    edits = []
+    if (allowed := md.allowed_token_ids_mask) is not None:
+        edits.append(lambda view: view.masked_fill_(allowed, float("-inf")))
+    if md.bad_words_token_ids:
+        edits.append(lambda view: apply_bad_words(view, md.bad_words_token_ids,
+                                                  md.output_token_ids))
     for proc in md.logitsprocs.non_argmax_invariant:
         if type(proc) is MinTokensLogitsProcessor and proc.min_toks \
                 and proc.logits_slice[0].numel():
             rows_tokens = proc.logits_slice  # ([k] rows, [k] token ids), on the device
+            # NOTE: not proc.apply: its -inf is float32, where vLLM's logits are by then
+            edits.append(lambda view, at=rows_tokens: view.__setitem__(at, float("-inf")))
+    if not edits:
+        return None
 
-            def mask(view: torch.Tensor) -> None:
-                # NOTE: not proc.apply: its -inf is float32, vLLM's logits are by then
-                view[rows_tokens] = float("-inf")
+    def mask(view: torch.Tensor) -> None:
+        for edit in edits:
+            edit(view)
 
-            return mask
-    return None
+    return mask
 
 
 def _min_p(logitsprocs: Any) -> np.ndarray | None:
