@@ -59,6 +59,11 @@ class Shape:
             parts.append("fp8_kv")
         return ",".join(parts)
 
+    def plugin_env(self, plugin: bool) -> dict[str, str]:
+        """What a mode's engine environment adds on this shape: a plugin mode takes the
+        unproven FP8 formats over until a GPU proof lifts them; stock runs as it is."""
+        return {"MOE_GRAPHS_UNPROVEN": self.unproven} if plugin and self.unproven else {}
+
 
 def shape(name: str) -> Shape:
     """The shape named `name` (one of SHAPES); ValueError naming them otherwise."""

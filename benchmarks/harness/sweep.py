@@ -15,7 +15,7 @@ from typing import Any
 from benchmarks.harness.modes import MODES, Family, Mode, common_llm_kwargs, parse_modes
 from benchmarks.harness.protocol import READY, SLACK_STEPS, WorkerResult, WorkerSpec
 from benchmarks.harness.sampling import GREEDY, parse_presets
-from benchmarks.harness.shapes import ModelShape, Shape, prepare_config_dir, read_config, \
+from benchmarks.harness.shapes import ModelShape, prepare_config_dir, read_config, \
     resident_weight_bytes, shape
 from benchmarks.harness.worker_process import EXITED, KILL_GRACE_S, WorkerProcess, run_worker, \
     stop_group
@@ -63,15 +63,6 @@ def interleave_kv_bytes(shape: ModelShape, max_batch: int, max_len: int) -> int:
     return int(-(-need // step) * step)
 
 
-def shape_env(mode: Mode, s: Shape) -> dict[str, str]:
-    """A mode's worker environment on shape `s`: plugin modes take the shape's unproven FP8
-    formats over (MOE_GRAPHS_UNPROVEN) until a GPU proof lifts them; stock runs as it is."""
-    env = mode.worker_env()
-    if mode.family is Family.PLUGIN and s.unproven:
-        env["MOE_GRAPHS_UNPROVEN"] = s.unproven
-    return env
-
-
 def plan(
     args: argparse.Namespace, work_dir: Path
 ) -> tuple[list[WorkerSpec], dict[str, str], dict[str, int], dict[str, ModelShape]]:
@@ -116,7 +107,8 @@ def plan(
                         config_dir=str(config_dir),
                         mode=mode.name,
                         llm_kwargs=mode.llm_kwargs(common),
-                        env=shape_env(mode, shape(model)),
+                        env={**mode.worker_env(),
+                             **shape(model).plugin_env(mode.family is Family.PLUGIN)},
                         batches=args.batches,
                         contexts=args.contexts,
                         repeats=args.repeats,

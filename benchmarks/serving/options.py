@@ -261,10 +261,8 @@ class Plan:
         return args + extra
 
     def server_env(self, mode: ServeMode) -> dict[str, str]:
-        """A mode's server environment: a plugin mode takes the shape's unproven FP8 formats
-        over (MOE_GRAPHS_UNPROVEN) until a GPU proof lifts them; stock runs as it is."""
-        unproven = self.shape.unproven if self.shape and mode.plugin else ""
-        return {**mode.env, **({"MOE_GRAPHS_UNPROVEN": unproven} if unproven else {})}
+        """A mode's server environment, with what its shape adds (`Shape.plugin_env`)."""
+        return {**mode.env, **(self.shape.plugin_env(mode.plugin) if self.shape else {})}
 
 
 def window_s(args: argparse.Namespace, rate: float) -> float:

@@ -24,7 +24,9 @@ greedy rows only keeps vLLM's argmax (`all_greedy`: a few launches, nothing to g
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,7 +61,7 @@ def install_graph_sampling(runner: Any, logits: GraphLogits | None,
     if logits is not None:
         buffer = logits.buffer
     else:
-        rows = max(b for b in buckets if b <= MAX_ROWS) if buckets[0] <= MAX_ROWS else buckets[0]
+        rows = min(MAX_ROWS, buckets[-1])  # as GraphLogits sizes its buffer
         buffer = torch.zeros(rows, vocab, dtype=runner.model_config.dtype, device=runner.device)
     try:
         sampler = SamplerGraphs(buffer, vocab, buckets)
@@ -115,8 +117,6 @@ class GraphSampling:
         if why is not R.SERVABLE:
             self._stats.sampler_fallback(why, self.kind)
             return None
-        from vllm.v1.outputs import SamplerOutput
-
         # as vLLM's _sample: a no-op unless some request needs its output tokens on the host
         batch = self._runner.input_batch
         batch.update_async_output_token_ids()
@@ -129,7 +129,7 @@ class GraphSampling:
         self._stats.sampled_in_graph(self.kind, self.graphs.inexact_rows)
         if self.graphs.pool_bytes != self._pool_counted:  # a bucket's first use captured it
             self._count_pool()
-        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+        return _vllm().SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
 
     def refusal(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplingRefusal:
         """Host checks, cheapest first; SERVABLE stages the rows' parameters."""
@@ -165,14 +165,27 @@ class GraphSampling:
         return R.SERVABLE
 
 
-def _batch_features(md: Any) -> SamplingRefusal | None:
-    """What the batch asks of vLLM's sampler beyond the op's parameters (None: nothing)."""
+@functools.cache
+def _vllm() -> types.SimpleNamespace:
+    """The vLLM classes the per-step checks compare against, imported once (the worker has
+    already imported them; no import statement runs on the step path)."""
+    from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.logits_processor.builtin import (
         LogitBiasLogitsProcessor,
         MinPLogitsProcessor,
         MinTokensLogitsProcessor,
     )
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
 
+    return types.SimpleNamespace(
+        SamplerOutput=SamplerOutput, LogitBias=LogitBiasLogitsProcessor,
+        MinP=MinPLogitsProcessor, MinTokens=MinTokensLogitsProcessor,
+        apply_bad_words=apply_bad_words)
+
+
+def _batch_features(md: Any) -> SamplingRefusal | None:
+    """What the batch asks of vLLM's sampler beyond the op's parameters (None: nothing)."""
+    v = _vllm()
     if md.max_num_logprobs is not None or md.logprob_token_ids:
         return R.LOGPROBS
     if not md.no_penalties:
@@ -181,12 +194,12 @@ def _batch_features(md: Any) -> SamplingRefusal | None:
     if holder is not None and holder.has_tracked_requests():
         return R.LOGITS_PROCESSORS
     for proc in md.logitsprocs.non_argmax_invariant:
-        if type(proc) is LogitBiasLogitsProcessor:
+        if type(proc) is v.LogitBias:
             if proc.biases:  # added in float32 by vLLM: the buffer's dtype would round it
                 return R.LOGIT_BIAS
-        elif type(proc) is not MinTokensLogitsProcessor:  # min-tokens: `_masks`
+        elif type(proc) is not v.MinTokens:  # min-tokens: `_masks`
             return R.LOGITS_PROCESSORS
-    if any(type(proc) is not MinPLogitsProcessor for proc in md.logitsprocs.argmax_invariant):
+    if any(type(proc) is not v.MinP for proc in md.logitsprocs.argmax_invariant):
         return R.LOGITS_PROCESSORS
     return None
 
@@ -197,17 +210,15 @@ def _masks(md: Any) -> Any:
     dtype), or None when none applies: allowed token ids (its [n, V] mask), bad words (vLLM's
     own per-row writes, from the output tokens `_sample` brought up to date) and min-tokens
     (-inf over the stop tokens of rows still short of it; none with `ignore_eos`)."""
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-    from vllm.v1.sample.ops.bad_words import apply_bad_words
-
+    v = _vllm()
     edits = []
     if (allowed := md.allowed_token_ids_mask) is not None:
         edits.append(lambda view: view.masked_fill_(allowed, float("-inf")))
     if md.bad_words_token_ids:
-        edits.append(lambda view: apply_bad_words(view, md.bad_words_token_ids,
-                                                  md.output_token_ids))
+        edits.append(lambda view: v.apply_bad_words(view, md.bad_words_token_ids,
+                                                    md.output_token_ids))
     for proc in md.logitsprocs.non_argmax_invariant:
-        if type(proc) is MinTokensLogitsProcessor and proc.min_toks \
+        if type(proc) is v.MinTokens and proc.min_toks \
                 and proc.logits_slice[0].numel():
             rows_tokens = proc.logits_slice  # ([k] rows, [k] token ids), on the device
             # NOTE: not proc.apply: its -inf is float32, where vLLM's logits are by then
